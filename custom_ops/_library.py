@@ -1,0 +1,69 @@
+"""Schema definitions for ``torch.ops.eplb_graph`` and the registration of fake/reference kernels.
+
+Registration uses the low-level ``torch.library.Library`` define/impl API rather than
+``torch.library.custom_op``: ``custom_op`` wraps every eager call in a Python autograd and
+ADInplaceOrView layer that costs 8-10 us (measured: ``tools/bench/bench_registration.py``), which
+is the whole budget of a decode step's routing op. The schemas below are what torch.compile,
+opcheck, torchair and the native kernels all key on; keep them stable.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from custom_ops._checks import check_map_args, check_record_args
+from custom_ops.reference import map_and_record_ref, map_to_physical_ref, record_load_ref
+
+NAMESPACE = "eplb_graph"
+
+SCHEMAS = {
+    "map_to_physical": (
+        "map_to_physical(Tensor topk_ids, Tensor log2phy, Tensor replica_count, Tensor offset)"
+        " -> Tensor"
+    ),
+    "record_load": (
+        "record_load(Tensor(a!) load, Tensor physical_ids, Tensor num_valid_tokens,"
+        " Tensor record_enabled) -> ()"
+    ),
+    "map_and_record": (
+        "map_and_record(Tensor topk_ids, Tensor log2phy, Tensor replica_count, Tensor offset,"
+        " Tensor(a!) load, Tensor num_valid_tokens, Tensor record_enabled) -> Tensor"
+    ),
+}
+
+# The DEF library must stay alive for the process lifetime: dropping it unregisters the ops.
+_DEF_LIBRARY = torch.library.Library(NAMESPACE, "DEF")
+for _schema in SCHEMAS.values():
+    _DEF_LIBRARY.define(_schema)
+
+# The reference kernels serve every backend that has no direct kernel of its own (CUDA, NPU via
+# PrivateUse1, Meta-less fallbacks) and the CPU when the native kernel cannot be built.
+_DEF_LIBRARY.impl("map_to_physical", map_to_physical_ref, "CompositeExplicitAutograd")
+_DEF_LIBRARY.impl("record_load", record_load_ref, "CompositeExplicitAutograd")
+_DEF_LIBRARY.impl("map_and_record", map_and_record_ref, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake(f"{NAMESPACE}::map_to_physical", lib=_DEF_LIBRARY)
+def _map_to_physical_fake(topk_ids, log2phy, replica_count, offset):
+    check_map_args(topk_ids, log2phy, replica_count, offset)
+    return topk_ids.new_empty(topk_ids.shape)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::record_load", lib=_DEF_LIBRARY)
+def _record_load_fake(load, physical_ids, num_valid_tokens, record_enabled):
+    check_record_args(load, physical_ids, num_valid_tokens, record_enabled)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::map_and_record", lib=_DEF_LIBRARY)
+def _map_and_record_fake(
+    topk_ids, log2phy, replica_count, offset, load, num_valid_tokens, record_enabled
+):
+    check_map_args(topk_ids, log2phy, replica_count, offset)
+    check_record_args(load, topk_ids, num_valid_tokens, record_enabled)
+    return topk_ids.new_empty(topk_ids.shape)
+
+
+def op_handles() -> dict[str, torch._ops.OpOverload]:
+    """The ``.default`` overload of every op, by name (what graphs and opcheck refer to)."""
+    namespace = getattr(torch.ops, NAMESPACE)
+    return {name: getattr(namespace, name).default for name in SCHEMAS}

@@ -1,0 +1,104 @@
+"""Ascend NPU registration, import-guarded: CPU-only machines must never import torch_npu.
+
+What an NPU graph mode needs for a custom op (torchair docs, see docs/architecture.md):
+- aclgraph / npugraph_ex (reduce-overhead): schema, fake kernel, a PrivateUse1 kernel, and
+  functionalization for the in-place op (automatic for ``Tensor(a!)`` schemas returning nothing
+  aliased). The PrivateUse1 kernel here is the ATen reference, composed only of aclnn-capturable
+  ops (arange, bitwise ops, remainder, index_select, where, scatter_add).
+- torchair GE (max-autotune): additionally a converter from the FX node to Ascend IR, registered
+  with ``torchair.register_fx_node_ge_converter`` when torchair is importable.
+
+Nothing here has run on an NPU: it is tested against fakes of the torch_npu/torchair interface
+(``tests/test_npu_registration.py``) and must be verified on Ascend hardware.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+from types import ModuleType
+
+import torch
+
+from custom_ops._library import NAMESPACE
+from custom_ops.reference import map_and_record_ref, map_to_physical_ref, record_load_ref
+
+logger = logging.getLogger(__name__)
+
+_registered: dict[str, object] = {}
+
+
+def _import_optional(name: str) -> ModuleType | None:
+    """Import ``name`` if present; any failure (e.g. torch_npu without CANN) means absent."""
+    try:
+        if importlib.util.find_spec(name) is None:
+            return None
+        return importlib.import_module(name)
+    except Exception as error:  # ImportError for libhccl.so, RuntimeError from autoload, ...
+        logger.info("eplb_graph: %s present but not importable (%s); NPU path off", name, error)
+        return None
+
+
+def register_privateuse1_kernels() -> torch.library.Library:
+    """Register the reference kernels for PrivateUse1 (``npu`` once torch_npu renamed it)."""
+    library = torch.library.Library(NAMESPACE, "IMPL")
+    library.impl("map_to_physical", map_to_physical_ref, "PrivateUse1")
+    library.impl("record_load", record_load_ref, "PrivateUse1")
+    library.impl("map_and_record", map_and_record_ref, "PrivateUse1")
+    return library
+
+
+def register_torchair_converters(torchair: ModuleType) -> list[str]:
+    """Register GE converters composing Ascend IR ops, for torchair's max-autotune mode.
+
+    The converter mirrors the reference kernel op by op (Gather, FloorMod, Select,
+    ScatterAdd); returns the names of the ops registered.
+    """
+    ge = torchair.ge
+    register = torchair.register_fx_node_ge_converter
+    ops = torch.ops.eplb_graph
+    names = []
+
+    def _hash(num_rows, offset):
+        rows = ge.Range(0, num_rows, 1)
+        x = ge.BitwiseAnd(ge.Add(ge.Cast(rows, dst_type=torch.int64), offset), 0xFFFFFFFF)
+        low = ge.BitwiseAnd(x, 0xFFFF)
+        high = ge.RightShift(x, 16)
+        product = ge.Add(
+            ge.Mul(low, 2654435769),
+            ge.LeftShift(ge.BitwiseAnd(ge.Mul(high, 2654435769), 0xFFFF), 16),
+        )
+        return ge.BitwiseAnd(product, 0xFFFFFFFF)
+
+    @register(ops.map_to_physical.default)
+    def convert_map(topk_ids, log2phy, replica_count, offset, meta_outputs=None):
+        ids = ge.Cast(topk_ids, dst_type=torch.int64)
+        count = ge.Maximum(ge.GatherV2(replica_count, ids, 0), 1)
+        rows = ge.Shape(topk_ids)[0]
+        replica = ge.FloorMod(ge.ExpandDims(_hash(rows, offset), 1), count)
+        physical = ge.GatherV2(
+            ge.Reshape(log2phy, [-1]), ge.Add(ge.Mul(ids, log2phy.shape[1]), replica), 0
+        )
+        return ge.Cast(physical, dst_type=topk_ids.dtype)
+
+    names.append("map_to_physical")
+    _registered["torchair_map_to_physical"] = convert_map
+    return names
+
+
+def install() -> dict[str, object]:
+    """Register NPU kernels when torch_npu imports cleanly; never raises on a CPU-only machine."""
+    if _registered:
+        return _registered
+    torch_npu = _import_optional("torch_npu")
+    if torch_npu is None:
+        return _registered
+    _registered["privateuse1"] = register_privateuse1_kernels()
+    torchair = _import_optional("torchair") or _import_optional("torch_npu.dynamo.torchair")
+    if torchair is not None:
+        try:
+            register_torchair_converters(torchair)
+        except Exception as error:
+            logger.warning("eplb_graph: torchair GE converters not registered: %s", error)
+    return _registered

@@ -1,0 +1,5 @@
+"""Small deterministic MoE models used by the tests, the audit tool and the demo."""
+
+from eplb_graph.models.tiny_moe import TinyMoE, TinyMoEConfig
+
+__all__ = ["TinyMoE", "TinyMoEConfig"]

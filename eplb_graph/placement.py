@@ -1,0 +1,211 @@
+"""``Placement``: which logical expert sits in every physical slot of every MoE layer.
+
+A placement is a value object on the CPU (``phy2log [L, P]`` int64). Everything the routing op
+reads (``log2phy``, ``replica_count``) is *derived* from it with vectorized tensor code, so the
+control plane keeps one source of truth (invariant 1) and the device state only ever receives
+copies of derived tables.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class PlacementError(ValueError):
+    """A placement (or a request to build one) is malformed; raised before anything is written."""
+
+
+def _as_phy2log(phy2log: torch.Tensor | Sequence) -> torch.Tensor:
+    if not isinstance(phy2log, torch.Tensor):
+        try:
+            phy2log = torch.as_tensor(phy2log)
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise PlacementError(f"phy2log is not a rectangular integer array: {error}") from error
+    if phy2log.dtype.is_floating_point or phy2log.dtype.is_complex or phy2log.dtype == torch.bool:
+        raise PlacementError(f"phy2log must hold integer expert ids, got dtype {phy2log.dtype}")
+    if phy2log.dim() != 2:
+        raise PlacementError(
+            f"phy2log must be 2-D [num_layers, num_slots], got shape {tuple(phy2log.shape)}"
+        )
+    return phy2log.detach().to(device="cpu", dtype=torch.int64).contiguous()
+
+
+def replica_counts(phy2log: torch.Tensor, num_logical: int) -> torch.Tensor:
+    """Replicas of each expert per layer: ``phy2log [L, P]`` -> ``[L, N]`` int64 (no Python loop)."""
+    counts = torch.zeros(phy2log.shape[0], num_logical, dtype=torch.int64)
+    return counts.scatter_add_(1, phy2log, torch.ones_like(phy2log))
+
+
+def derive_log2phy(phy2log: torch.Tensor, num_logical: int, max_replicas: int) -> torch.Tensor:
+    """``phy2log [L, P]`` -> ``log2phy [L, N, R]``: each expert's slots ascending, -1 padded.
+
+    Vectorized: a stable sort groups the slots of each expert in ascending slot order; a slot's
+    replica index is its position minus the first position of its expert's group.
+    """
+    num_layers, num_slots = phy2log.shape
+    order = torch.sort(phy2log, dim=1, stable=True)
+    sorted_experts, sorted_slots = order.values, order.indices
+    counts = replica_counts(phy2log, num_logical)
+    group_start = torch.cumsum(counts, dim=1) - counts  # [L, N] first sorted position of e
+    position = torch.arange(num_slots).expand(num_layers, num_slots)
+    replica = position - group_start.gather(1, sorted_experts)
+    log2phy = torch.full((num_layers, num_logical * max_replicas), -1, dtype=torch.int64)
+    log2phy.scatter_(1, sorted_experts * max_replicas + replica, sorted_slots)
+    return log2phy.view(num_layers, num_logical, max_replicas)
+
+
+class Placement:
+    """Logical expert in every physical slot, for every MoE layer.
+
+    Attributes:
+        phy2log: ``[L, P]`` int64 CPU; ``phy2log[l, p]`` is the expert in slot ``p`` of layer ``l``.
+        num_logical: N, the number of logical experts.
+        num_ranks: EP ranks; slot ``p`` lives on rank ``p // (P / num_ranks)``.
+    """
+
+    __slots__ = ("_phy2log", "num_logical", "num_ranks")
+
+    def __init__(self, phy2log: torch.Tensor | Sequence, num_logical: int, num_ranks: int) -> None:
+        table = _as_phy2log(phy2log)
+        validate_phy2log(table, num_logical, num_ranks)
+        self._phy2log = table
+        self.num_logical = int(num_logical)
+        self.num_ranks = int(num_ranks)
+
+    # -- construction ------------------------------------------------------------------------
+    @classmethod
+    def default(
+        cls, num_layers: int, num_logical: int, num_redundant: int, num_ranks: int
+    ) -> Placement:
+        """Slots ``0..N-1`` hold experts ``0..N-1``; redundant slot ``N + j`` holds ``j % N``."""
+        if num_layers < 1:
+            raise PlacementError(f"num_layers must be >= 1, got {num_layers}")
+        if num_logical < 1:
+            raise PlacementError(f"num_logical must be >= 1, got {num_logical}")
+        if num_redundant < 0:
+            raise PlacementError(f"num_redundant must be >= 0, got {num_redundant}")
+        row = torch.cat([torch.arange(num_logical), torch.arange(num_redundant) % num_logical]).to(
+            torch.int64
+        )
+        return cls(row.expand(num_layers, -1).clone(), num_logical, num_ranks)
+
+    # -- shape ---------------------------------------------------------------------------------
+    @property
+    def phy2log(self) -> torch.Tensor:
+        """``[L, P]`` int64 CPU. Treat as read-only: a placement is a value, never edited in place."""
+        return self._phy2log
+
+    @property
+    def num_layers(self) -> int:
+        return self._phy2log.shape[0]
+
+    @property
+    def num_slots(self) -> int:
+        return self._phy2log.shape[1]
+
+    @property
+    def num_redundant(self) -> int:
+        return self.num_slots - self.num_logical
+
+    @property
+    def slots_per_rank(self) -> int:
+        return self.num_slots // self.num_ranks
+
+    def rank_of_slot(self) -> torch.Tensor:
+        """``[P]`` int64: the EP rank that holds each slot."""
+        return torch.arange(self.num_slots) // self.slots_per_rank
+
+    # -- derived tables ------------------------------------------------------------------------
+    def replica_count(self) -> torch.Tensor:
+        """``[L, N]`` int64 number of slots holding each expert."""
+        return replica_counts(self._phy2log, self.num_logical)
+
+    def max_replica_count(self) -> int:
+        return int(self.replica_count().max())
+
+    def log2phy(self, max_replicas: int) -> torch.Tensor:
+        """``[L, N, R]`` int64: slots of each expert in ascending order, padded with -1.
+
+        Raises:
+            PlacementError: if some expert has more than ``max_replicas`` slots.
+        """
+        if max_replicas < 1:
+            raise PlacementError(f"max_replicas must be >= 1, got {max_replicas}")
+        most = self.max_replica_count()
+        if most > max_replicas:
+            layer, expert = divmod(int(self.replica_count().argmax()), self.num_logical)
+            raise PlacementError(
+                f"layer {layer}: expert {expert} has {most} replicas but the lookup width "
+                f"R={max_replicas} (max_replicas chosen at start-up) holds at most {max_replicas}"
+            )
+        return derive_log2phy(self._phy2log, self.num_logical, max_replicas)
+
+    def layer(self, layer: int) -> torch.Tensor:
+        """``[P]`` int64 copy of one layer's ``phy2log`` row."""
+        return self._phy2log[layer].clone()
+
+    def with_layer(self, layer: int, phy2log_row: torch.Tensor | Sequence) -> Placement:
+        """A new placement equal to this one except for ``layer`` (validated)."""
+        row = _as_phy2log(torch.as_tensor(phy2log_row).reshape(1, -1))
+        if row.shape[1] != self.num_slots:
+            raise PlacementError(
+                f"layer {layer}: phy2log row has {row.shape[1]} slots, expected {self.num_slots}"
+            )
+        table = self._phy2log.clone()
+        table[layer] = row[0]
+        return Placement(table, self.num_logical, self.num_ranks)
+
+    # -- value semantics -------------------------------------------------------------------------
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Placement):
+            return NotImplemented
+        return (
+            self.num_logical == other.num_logical
+            and self.num_ranks == other.num_ranks
+            and torch.equal(self._phy2log, other._phy2log)
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.num_logical, self.num_ranks, tuple(self._phy2log.flatten().tolist())))
+
+    def __repr__(self) -> str:
+        return (
+            f"Placement(layers={self.num_layers}, logical={self.num_logical}, "
+            f"slots={self.num_slots}, ranks={self.num_ranks})"
+        )
+
+
+def validate_phy2log(phy2log: torch.Tensor, num_logical: int, num_ranks: int) -> None:
+    """Raise :class:`PlacementError` naming the first defect of ``phy2log [L, P]``."""
+    if num_logical < 1:
+        raise PlacementError(f"num_logical must be >= 1, got {num_logical}")
+    if num_ranks < 1:
+        raise PlacementError(f"num_ranks must be >= 1, got {num_ranks}")
+    num_layers, num_slots = phy2log.shape
+    if num_layers < 1 or num_slots < 1:
+        raise PlacementError(
+            f"phy2log must have at least one layer and one slot, got {(num_layers, num_slots)}"
+        )
+    if num_slots % num_ranks != 0:
+        raise PlacementError(
+            f"num_slots P={num_slots} is not divisible by num_ranks={num_ranks}; "
+            f"P = num_logical + num_redundant_experts must be a multiple of the EP size"
+        )
+    if num_slots < num_logical:
+        raise PlacementError(
+            f"num_slots P={num_slots} is smaller than num_logical N={num_logical}: "
+            "every logical expert needs at least one slot"
+        )
+    out_of_range = (phy2log < 0) | (phy2log >= num_logical)
+    if bool(out_of_range.any()):
+        layer, slot = (int(i) for i in out_of_range.nonzero()[0])
+        raise PlacementError(
+            f"layer {layer}, slot {slot}: expert id {int(phy2log[layer, slot])} is out of range "
+            f"[0, {num_logical})"
+        )
+    missing = replica_counts(phy2log, num_logical) == 0
+    if bool(missing.any()):
+        layer, expert = (int(i) for i in missing.nonzero()[0])
+        raise PlacementError(f"layer {layer}: logical expert {expert} has no slot")

@@ -1,0 +1,207 @@
+"""``EplbState``: the device tensors the routing op reads and writes, with stable addresses.
+
+Every tensor here is allocated once, at its maximum size, and afterwards only written in place
+(``copy_``/``fill_``/``zero_``/``add_``). Compiled graphs hold these tensors as inputs and
+captured device graphs hold their addresses, so a placement change must never rebind or resize
+them: that is what keeps torch.compile from recompiling and CUDA/ACL graphs from reading freed
+memory (invariants 3 and 9). Each tensor is marked as a static address so cudagraph trees treat
+it as a fixed input rather than copying it on every replay.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from custom_ops._checks import INDEX_DTYPES
+from eplb_graph.placement import Placement, PlacementError, _as_phy2log, validate_phy2log
+
+logger = logging.getLogger(__name__)
+
+_LOW32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class LayerTables:
+    """Views of one layer's rows; pass these to ``map_and_record`` (shapes in the op docs)."""
+
+    log2phy: torch.Tensor  # [N, R]
+    replica_count: torch.Tensor  # [N]
+    load: torch.Tensor  # [P]
+
+
+class EplbState:
+    """Device-resident EPLB state for all MoE layers of one EP rank.
+
+    Tensors (allocated once on ``device``):
+        log2phy ``[L, N, R]`` (index dtype), replica_count ``[L, N]``, phy2log ``[L, P]``,
+        load ``[L, P]`` (the load pass of the current step window), record_enabled 0-d bool,
+        num_valid_tokens 0-d int64, offset 0-d int64.
+
+    Args:
+        placement: initial committed placement.
+        max_replicas: lookup width R, fixed for the process lifetime. Defaults to
+            ``num_redundant + 1``, the most replicas any expert can have.
+        device: where the tensors live.
+        index_dtype: dtype of the lookup tables (int32 halves their size; int64 matches upstream).
+        load_dtype: dtype of the load counters.
+        rank: this process's EP rank; seeds ``offset`` so ranks start on different replicas.
+    """
+
+    def __init__(
+        self,
+        placement: Placement,
+        *,
+        max_replicas: int | None = None,
+        device: torch.device | str = "cpu",
+        index_dtype: torch.dtype = torch.int64,
+        load_dtype: torch.dtype = torch.int64,
+        rank: int = 0,
+    ) -> None:
+        if index_dtype not in INDEX_DTYPES:
+            raise TypeError(f"index_dtype must be torch.int32 or torch.int64, got {index_dtype}")
+        if load_dtype not in INDEX_DTYPES:
+            raise TypeError(f"load_dtype must be torch.int32 or torch.int64, got {load_dtype}")
+        if not 0 <= rank < placement.num_ranks:
+            raise ValueError(f"rank must be in [0, {placement.num_ranks}), got {rank}")
+        width = placement.num_redundant + 1 if max_replicas is None else int(max_replicas)
+        log2phy_host = placement.log2phy(width)  # raises PlacementError if R is too small
+        device = torch.device(device)
+        num_layers, num_slots = placement.num_layers, placement.num_slots
+
+        self.num_logical = placement.num_logical
+        self.num_ranks = placement.num_ranks
+        self.max_replicas = width
+        self.rank = rank
+        self.device = device
+        self._committed = placement.phy2log.clone()  # host mirror: the committed placement
+
+        def alloc(host: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+            return host.to(device=device, dtype=dtype).contiguous()
+
+        self.log2phy = alloc(log2phy_host, index_dtype)
+        self.replica_count = alloc(placement.replica_count(), index_dtype)
+        self.phy2log = alloc(placement.phy2log, index_dtype)
+        self.load = torch.zeros(num_layers, num_slots, dtype=load_dtype, device=device)
+        self.record_enabled = torch.ones((), dtype=torch.bool, device=device)
+        self.num_valid_tokens = torch.zeros((), dtype=torch.int64, device=device)
+        self.offset = torch.full((), rank, dtype=torch.int64, device=device)
+        for tensor in self.graph_tensors().values():
+            torch._dynamo.mark_static_address(tensor, guard=False)
+
+    # -- introspection -------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return self.log2phy.shape[0]
+
+    @property
+    def num_slots(self) -> int:
+        return self.phy2log.shape[1]
+
+    @property
+    def placement(self) -> Placement:
+        """The committed placement (a value; later commits do not change it)."""
+        return Placement(self._committed.clone(), self.num_logical, self.num_ranks)
+
+    def graph_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor a graph may read, by name (their addresses never change)."""
+        return {
+            "log2phy": self.log2phy,
+            "replica_count": self.replica_count,
+            "phy2log": self.phy2log,
+            "load": self.load,
+            "record_enabled": self.record_enabled,
+            "num_valid_tokens": self.num_valid_tokens,
+            "offset": self.offset,
+        }
+
+    def data_ptrs(self) -> dict[str, int]:
+        return {name: tensor.data_ptr() for name, tensor in self.graph_tensors().items()}
+
+    def layer(self, layer: int) -> LayerTables:
+        return LayerTables(self.log2phy[layer], self.replica_count[layer], self.load[layer])
+
+    # -- per-step controls (host side, between replays; no host sync) --------------------------
+    def set_step_inputs_(self, num_valid_tokens: int, record: bool) -> None:
+        """Set the valid-token count (padding rows excluded) and the record flag in place."""
+        if num_valid_tokens < 0:
+            raise ValueError(f"num_valid_tokens must be >= 0, got {num_valid_tokens}")
+        self.num_valid_tokens.fill_(num_valid_tokens)
+        self.record_enabled.fill_(bool(record))
+
+    def advance_offset_(self, steps: int = 1) -> None:
+        """Move the replica-choice offset in place (kept within 32 bits: no overflow, ever)."""
+        self.offset.add_(steps).bitwise_and_(_LOW32)
+
+    def reset_load_(self) -> None:
+        self.load.zero_()
+
+    # -- commit --------------------------------------------------------------------------------
+    def prepare_layer(self, layer: int, phy2log_row: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Validate one layer's new ``phy2log [P]`` and derive its tables on the host.
+
+        Returns ``(phy2log [P], log2phy [N, R], replica_count [N])`` in the state's dtypes, ready
+        for :meth:`commit_prepared_`. Raises :class:`PlacementError` and writes nothing on a defect.
+        """
+        if not 0 <= layer < self.num_layers:
+            raise PlacementError(f"layer must be in [0, {self.num_layers}), got {layer}")
+        row = _as_phy2log(torch.as_tensor(phy2log_row).reshape(1, -1))
+        if row.shape[1] != self.num_slots:
+            raise PlacementError(
+                f"layer {layer}: phy2log row has {row.shape[1]} slots, expected {self.num_slots}"
+            )
+        try:
+            validate_phy2log(row, self.num_logical, self.num_ranks)
+            one_layer = Placement(row, self.num_logical, self.num_ranks)
+            log2phy = one_layer.log2phy(self.max_replicas)[0]
+        except PlacementError as error:
+            raise _for_layer(error, layer) from None
+        dtype = self.log2phy.dtype
+        return row[0].to(dtype), log2phy.to(dtype), one_layer.replica_count()[0].to(dtype)
+
+    def commit_prepared_(self, layer: int, prepared: tuple[torch.Tensor, ...]) -> None:
+        """Write prepared tables into the layer's rows in place (no reallocation, no loop)."""
+        phy2log, log2phy, replica_count = prepared
+        # Table before count: a torn read in between sees (new row, old count); the routing op
+        # falls back to replica 0 for a -1 pad, so a valid id never maps to -1 either way.
+        self.log2phy[layer].copy_(log2phy, non_blocking=True)
+        self.replica_count[layer].copy_(replica_count, non_blocking=True)
+        self.phy2log[layer].copy_(phy2log, non_blocking=True)
+        self._committed[layer].copy_(phy2log)
+
+    def commit_layer_(self, layer: int, phy2log_row: torch.Tensor) -> None:
+        """Validate, then commit one layer's placement in place (invariant 3's only writer)."""
+        self.commit_prepared_(layer, self.prepare_layer(layer, phy2log_row))
+
+    def commit_(self, placement: Placement) -> None:
+        """Commit every layer of ``placement`` (validated in full before the first write)."""
+        if (placement.num_logical, placement.num_ranks, placement.num_slots) != (
+            self.num_logical,
+            self.num_ranks,
+            self.num_slots,
+        ):
+            raise PlacementError(
+                f"placement has (N={placement.num_logical}, ranks={placement.num_ranks}, "
+                f"P={placement.num_slots}), state has (N={self.num_logical}, "
+                f"ranks={self.num_ranks}, P={self.num_slots})"
+            )
+        if placement.num_layers != self.num_layers:
+            raise PlacementError(
+                f"placement has {placement.num_layers} layers, state has {self.num_layers}"
+            )
+        log2phy = placement.log2phy(self.max_replicas)
+        dtype = self.log2phy.dtype
+        self.log2phy.copy_(log2phy.to(dtype), non_blocking=True)
+        self.replica_count.copy_(placement.replica_count().to(dtype), non_blocking=True)
+        self.phy2log.copy_(placement.phy2log.to(dtype), non_blocking=True)
+        self._committed.copy_(placement.phy2log)
+
+
+def _for_layer(error: PlacementError, layer: int) -> PlacementError:
+    """Re-label an error raised on a one-layer placement with the real layer index."""
+    message = str(error)
+    if message.startswith("layer 0"):
+        return PlacementError(f"layer {layer}" + message[len("layer 0") :])
+    return PlacementError(f"layer {layer}: {message}")
