@@ -1,4 +1,5 @@
-"""The eplb_graph op library: ``torch.ops.eplb_graph.{map_to_physical, record_load, map_and_record}``.
+"""The eplb_graph op library: ``torch.ops.eplb_graph.{map_to_physical, record_load,
+map_and_record}``.
 
 Importing this package defines the schemas, registers fake kernels (for torch.compile and
 opcheck), the device-agnostic ATen reference kernels, the inductor decompositions, the fused

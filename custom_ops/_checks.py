@@ -24,7 +24,7 @@ def check_map_args(
     replica_count: torch.Tensor,
     offset: torch.Tensor,
 ) -> None:
-    """Validate the inputs of ``map_to_physical`` (shapes: ids [T, K], log2phy [N, R], count [N])."""
+    """Validate ``map_to_physical`` inputs (ids [T, K], log2phy [N, R], count [N])."""
     _check(topk_ids.dim() == 2, f"topk_ids should be a 2d tensor [T, K], got {topk_ids.dim()}D")
     _check(
         topk_ids.dtype in INDEX_DTYPES,
@@ -34,7 +34,8 @@ def check_map_args(
     _check(log2phy.dtype in INDEX_DTYPES, f"log2phy should be int32 or int64, got {log2phy.dtype}")
     _check(
         log2phy.shape[0] >= 1 and log2phy.shape[1] >= 1,
-        f"log2phy should have at least one expert and one replica column, got {tuple(log2phy.shape)}",
+        "log2phy should have at least one expert and one replica column, "
+        f"got {tuple(log2phy.shape)}",
     )
     _check(
         replica_count.dim() == 1,

@@ -74,7 +74,7 @@ def record_load_ref(
     disabled step still runs the same kernels (graph-safe, no branch on device data).
     """
     check_record_args(load, physical_ids, num_valid_tokens, record_enabled)
-    num_rows, top_k = physical_ids.shape
+    num_rows = physical_ids.shape[0]
     num_slots = load.shape[0]
     rows = torch.arange(num_rows, device=load.device, dtype=torch.int64)
     row_counts = (rows < num_valid_tokens) & record_enabled

@@ -33,7 +33,7 @@ def _as_phy2log(phy2log: torch.Tensor | Sequence) -> torch.Tensor:
 
 
 def replica_counts(phy2log: torch.Tensor, num_logical: int) -> torch.Tensor:
-    """Replicas of each expert per layer: ``phy2log [L, P]`` -> ``[L, N]`` int64 (no Python loop)."""
+    """Replicas of each expert per layer: ``phy2log [L, P]`` -> ``[L, N]`` int64, vectorized."""
     counts = torch.zeros(phy2log.shape[0], num_logical, dtype=torch.int64)
     return counts.scatter_add_(1, phy2log, torch.ones_like(phy2log))
 
@@ -94,7 +94,7 @@ class Placement:
     # -- shape ---------------------------------------------------------------------------------
     @property
     def phy2log(self) -> torch.Tensor:
-        """``[L, P]`` int64 CPU. Treat as read-only: a placement is a value, never edited in place."""
+        """``[L, P]`` int64 CPU. Read-only by contract: a placement is a value."""
         return self._phy2log
 
     @property
