@@ -51,7 +51,13 @@ def check_map_args(
     )
     _check(offset.dim() == 0, f"offset should be a 0-d tensor, got {offset.dim()}D")
     _check(offset.dtype == torch.int64, f"offset should be int64, got {offset.dtype}")
-    _check_same_device("map_to_physical", topk_ids, log2phy, replica_count, offset)
+    _check_same_device(
+        "map_to_physical",
+        topk_ids=topk_ids,
+        log2phy=log2phy,
+        replica_count=replica_count,
+        offset=offset,
+    )
 
 
 def check_record_args(
@@ -87,13 +93,22 @@ def check_record_args(
         record_enabled.dtype == torch.bool,
         f"record_enabled should be a bool tensor, got {record_enabled.dtype}",
     )
-    _check_same_device("record_load", load, physical_ids, num_valid_tokens, record_enabled)
+    _check_same_device(
+        "record_load",
+        load=load,
+        physical_ids=physical_ids,
+        num_valid_tokens=num_valid_tokens,
+        record_enabled=record_enabled,
+    )
 
 
-def _check_same_device(op: str, *tensors: torch.Tensor) -> None:
-    first = tensors[0].device
-    for tensor in tensors[1:]:
+def _check_same_device(op: str, **tensors: torch.Tensor) -> None:
+    """All ``tensors`` on the first one's device; the message names the argument that is not."""
+    (first_name, first_tensor), *rest = tensors.items()
+    first = first_tensor.device
+    for name, tensor in rest:
         _check(
             tensor.device == first,
-            f"{op}: all tensors must be on one device, got {first} and {tensor.device}",
+            f"{op}: all tensors must be on one device, got {first} and {tensor.device} "
+            f"({name} is on {tensor.device}, {first_name} on {first})",
         )

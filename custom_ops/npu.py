@@ -73,13 +73,22 @@ def register_torchair_converters(torchair: ModuleType) -> list[str]:
 
     @register(ops.map_to_physical.default)
     def convert_map(topk_ids, log2phy, replica_count, offset, meta_outputs=None):
+        # Same steps as reference.map_to_physical_ref, in Ascend IR.
+        num_experts, width = log2phy.symsize[0], log2phy.symsize[1]
         ids = ge.Cast(topk_ids, dst_type=torch.int64)
-        count = ge.Maximum(ge.GatherV2(replica_count, ids, 0), 1)
-        rows = ge.Shape(topk_ids)[0]
-        replica = ge.FloorMod(ge.ExpandDims(_hash(rows, offset), 1), count)
-        physical = ge.GatherV2(
-            ge.Reshape(log2phy, [-1]), ge.Add(ge.Mul(ids, log2phy.shape[1]), replica), 0
+        valid = ge.LogicalAnd(ge.GreaterEqual(ids, 0), ge.Less(ids, num_experts))
+        safe_ids = ge.Select(valid, ids, ge.ZerosLike(ids))
+        count = ge.Maximum(
+            ge.Cast(ge.GatherV2(replica_count, safe_ids, 0), dst_type=torch.int64), 1
         )
+        row_hash = ge.ExpandDims(_hash(ge.Shape(topk_ids)[0], offset), 1)
+        replica = ge.Minimum(ge.FloorMod(row_hash, count), width - 1)
+        table = ge.Cast(ge.Reshape(log2phy, [-1]), dst_type=torch.int64)
+        row_start = ge.Mul(safe_ids, width)
+        physical = ge.GatherV2(table, ge.Add(row_start, replica), 0)
+        first = ge.GatherV2(table, row_start, 0)
+        physical = ge.Select(ge.GreaterEqual(physical, 0), physical, first)
+        physical = ge.Select(valid, physical, ge.Fill(ge.Shape(physical), -1))
         return ge.Cast(physical, dst_type=topk_ids.dtype)
 
     names.append("map_to_physical")

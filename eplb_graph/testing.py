@@ -1,0 +1,246 @@
+"""Capture regression kit: drive a routed callable through a graph mode, commit placements in
+place, replay, and assert nothing recompiled or re-captured and routing followed the commit.
+
+Downstream model runners call :func:`capture_commit_replay` on their own model; our own suite
+uses it for the tiny MoE. Graph modes:
+
+- ``"compile:<backend>"`` — ``torch.compile(fullgraph=True)`` with that backend (``eager``,
+  ``aot_eager``, ``inductor``, ...), replayed under ``set_stance("fail_on_recompile")``;
+- ``"cuda_graph"`` — a raw ``torch.cuda.CUDAGraph`` capture;
+- ``"npu_graph"`` — a raw ``torch.npu.NPUGraph`` capture (torch_npu).
+
+Every check compares the graph against an eager run of the same callable on the same state:
+outputs equal (within ``atol``), load deltas equal exactly, and the EPLB tensors' ``data_ptr``
+unchanged.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from eplb_graph.placement import Placement
+from eplb_graph.state import EplbState
+
+DEVICE_GRAPH_MODES = ("cuda_graph", "npu_graph")
+
+
+class GraphRegressionError(AssertionError):
+    """A graph recompiled, re-captured, moved an EPLB tensor, or disagreed with eager."""
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """Per-call knobs toggled between replays (all written in place into the state)."""
+
+    num_valid_tokens: int
+    record: bool = True
+    offset_advance: int = 1
+
+
+@dataclass
+class ReplayReport:
+    mode: str
+    commits: int = 0
+    replays: int = 0
+    max_abs_diff: float = 0.0
+    unique_graphs: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def graph_mode_skip_reason(mode: str) -> str | None:
+    """``None`` when ``mode`` can run on this machine, else a human-readable reason."""
+    if mode.startswith("compile:"):
+        return None
+    if mode == "cuda_graph":
+        if not torch.cuda.is_available():
+            return "CUDA graphs need a CUDA device; torch.cuda.is_available() is False"
+        return None
+    if mode == "npu_graph":
+        if importlib.util.find_spec("torch_npu") is None:
+            return "NPU graphs need torch_npu (with CANN); it is not installed"
+        try:
+            importlib.import_module("torch_npu")
+        except Exception as error:
+            return f"torch_npu is installed but does not import: {error}"
+        if not torch.npu.is_available():  # type: ignore[attr-defined]
+            return "torch_npu imports but no NPU device is available"
+        return None
+    raise ValueError(f"unknown graph mode {mode!r}; use compile:<backend>, cuda_graph, npu_graph")
+
+
+def available_graph_modes() -> list[str]:
+    """Modes this machine can drive: compile backends always; device graphs where present."""
+    modes = ["compile:eager", "compile:aot_eager", "compile:inductor"]
+    return modes + [mode for mode in DEVICE_GRAPH_MODES if graph_mode_skip_reason(mode) is None]
+
+
+def _device_graph_api(mode: str):
+    if mode == "cuda_graph":
+        return torch.cuda, torch.cuda.CUDAGraph
+    torch_npu = importlib.import_module("torch_npu")  # noqa: F841  (registers torch.npu)
+    return torch.npu, torch.npu.NPUGraph  # type: ignore[attr-defined]
+
+
+def _as_tuple(value) -> tuple:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def _compare(label: str, got, expected, atol: float) -> float:
+    worst = 0.0
+    for index, (a, b) in enumerate(zip(_as_tuple(got), _as_tuple(expected), strict=True)):
+        if not isinstance(a, torch.Tensor):
+            continue
+        if a.shape != b.shape or a.dtype != b.dtype:
+            raise GraphRegressionError(
+                f"{label}: output {index} is {tuple(a.shape)}/{a.dtype}, eager gives "
+                f"{tuple(b.shape)}/{b.dtype}"
+            )
+        if a.is_floating_point():
+            diff = float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
+            if diff > atol:
+                raise GraphRegressionError(f"{label}: output {index} differs by {diff} > {atol}")
+            worst = max(worst, diff)
+        elif not torch.equal(a, b):
+            raise GraphRegressionError(f"{label}: integer output {index} differs from eager")
+    return worst
+
+
+class _Harness:
+    """Runs one graph call and the eager oracle from the same state; compares both."""
+
+    def __init__(self, fn: Callable, state: EplbState, atol: float) -> None:
+        self.fn = fn
+        self.state = state
+        self.atol = atol
+        self.pointers = state.data_ptrs()
+
+    def check_pointers(self, label: str) -> None:
+        now = self.state.data_ptrs()
+        moved = sorted(name for name, ptr in now.items() if self.pointers[name] != ptr)
+        if moved:
+            raise GraphRegressionError(f"{label}: EPLB tensors changed address: {moved}")
+
+    def run_and_compare(self, label: str, run_graph: Callable[[], object], args) -> float:
+        load_before = self.state.load.clone()
+        got = run_graph()
+        got = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in _as_tuple(got))
+        graph_delta = self.state.load - load_before
+        self.state.load.copy_(load_before)
+        expected = self.fn(*args)
+        eager_delta = self.state.load - load_before
+        if not torch.equal(graph_delta, eager_delta):
+            raise GraphRegressionError(f"{label}: recorded load differs from eager")
+        self.check_pointers(label)
+        return _compare(label, got, expected, self.atol)
+
+
+def capture_commit_replay(
+    fn: Callable,
+    example_args: Sequence,
+    state: EplbState,
+    placements: Sequence[Placement],
+    *,
+    mode: str = "compile:inductor",
+    step_inputs: Sequence[StepInputs] | None = None,
+    atol: float = 1e-5,
+) -> ReplayReport:
+    """Capture/compile ``fn``, then for each placement: commit in place, toggle step inputs,
+    replay, and compare with eager.
+
+    Args:
+        fn: the routed callable; it must read routing only from ``state``'s tensors.
+        example_args: tensors passed on every call (device graphs replay on these addresses).
+        state: the EPLB state ``fn`` reads; commits go through ``state.commit_``.
+        placements: placements to commit one after another (each must differ to be meaningful).
+        mode: see the module docstring; raise ``ValueError`` for unknown modes.
+        step_inputs: knobs cycled over the calls (valid-token count, record flag, offset step).
+        atol: tolerance for floating outputs (compiled kernels may reassociate sums).
+
+    Raises:
+        GraphRegressionError: on a recompile/re-capture, moved EPLB tensor, or eager mismatch.
+        RuntimeError: if ``mode`` cannot run here (see :func:`graph_mode_skip_reason`).
+    """
+    reason = graph_mode_skip_reason(mode)
+    if reason is not None:
+        raise RuntimeError(f"graph mode {mode} unavailable: {reason}")
+    args = tuple(example_args)
+    knobs = list(step_inputs or [StepInputs(num_valid_tokens=_rows(args))])
+    harness = _Harness(fn, state, atol)
+    report = ReplayReport(mode=mode)
+
+    if mode.startswith("compile:"):
+        run_graph, finish = _compiled_runner(fn, args, mode.split(":", 1)[1], report)
+    else:
+        run_graph, finish = _device_graph_runner(fn, args, mode, state, knobs[0])
+
+    try:
+        for index, placement in enumerate(placements):
+            state.commit_(placement)
+            report.commits += 1
+            for step, knob in enumerate(knobs):
+                state.set_step_inputs_(knob.num_valid_tokens, knob.record)
+                state.advance_offset_(knob.offset_advance)
+                label = f"{mode} commit {index} step {step}"
+                diff = harness.run_and_compare(label, run_graph, args)
+                report.max_abs_diff = max(report.max_abs_diff, diff)
+                report.replays += 1
+    finally:
+        finish()
+    return report
+
+
+def _rows(args: tuple) -> int:
+    first = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
+    return 0 if first is None else int(first.shape[0])
+
+
+def _compiled_runner(fn, args, backend: str, report: ReplayReport):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=backend, fullgraph=True)
+    compiled(*args)  # first call compiles; later calls must hit the same graph
+    graphs_after_warmup = counters["stats"]["unique_graphs"]
+
+    def run():
+        with torch.compiler.set_stance("fail_on_recompile"):
+            return compiled(*args)
+
+    def finish():
+        report.unique_graphs = counters["stats"]["unique_graphs"]
+        if report.unique_graphs != graphs_after_warmup:
+            raise GraphRegressionError(
+                f"compile:{backend}: {report.unique_graphs - graphs_after_warmup} new graphs "
+                "after warm-up"
+            )
+
+    return run, finish
+
+
+def _device_graph_runner(fn, args, mode: str, state: EplbState, knob: StepInputs):
+    device_module, graph_class = _device_graph_api(mode)
+    state.set_step_inputs_(knob.num_valid_tokens, knob.record)
+    load_before = state.load.clone()
+    side = device_module.Stream()
+    side.wait_stream(device_module.current_stream())
+    with device_module.stream(side):
+        for _ in range(2):  # warm-up: lazy init, workspaces, allocator
+            fn(*args)
+    device_module.current_stream().wait_stream(side)
+    graph = graph_class()
+    with device_module.graph(graph):
+        static_out = fn(*args)
+    device_module.synchronize()
+    state.load.copy_(load_before)  # warm-up and capture must not count as executed load
+
+    def run():
+        graph.replay()
+        device_module.synchronize()
+        return static_out
+
+    return run, lambda: None
