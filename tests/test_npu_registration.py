@@ -23,7 +23,7 @@ def test_cpu_only_import_never_touches_torch_npu():
 
 
 def test_broken_torch_npu_is_treated_as_absent(monkeypatch):
-    """torch_npu without CANN raises at import (libhccl.so): that must mean 'no NPU', not a crash."""
+    """torch_npu without CANN fails at import (libhccl.so): that means 'no NPU', not a crash."""
 
     def broken_import(name):
         raise ImportError("libhccl.so: cannot open shared object file")
