@@ -1,0 +1,117 @@
+"""Policy registry: every rebalance policy is a pure function behind one name.
+
+A policy maps observed load to a new placement. It is a pure function of tensors (no state, no
+I/O, no device), so the async worker can run it off the main thread and the simulator can replay
+it on traces. Signature of a registered policy::
+
+    policy(weight, num_replicas, num_groups, num_nodes, num_ranks, old_phy2log, **options)
+        -> phy2log [L, P] int64
+
+- ``weight``: ``[S, L, N]`` float64 load samples of the window (S >= 1 time samples; a policy
+  that ignores time sums over S). :func:`rebalance` normalizes ``[L, N]`` input to ``S = 1``.
+- ``old_phy2log``: ``[L, P]`` int64 current placement, or ``None`` (first placement).
+- ``options``: policy-specific keyword options; unknown options raise ``TypeError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+
+class PolicyFunction(Protocol):
+    def __call__(
+        self,
+        weight: torch.Tensor,
+        num_replicas: int,
+        num_groups: int,
+        num_nodes: int,
+        num_ranks: int,
+        old_phy2log: torch.Tensor | None,
+        **options,
+    ) -> torch.Tensor: ...
+
+
+class UnknownPolicyError(KeyError):
+    """The requested policy name is not registered."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0])
+
+
+_POLICIES: dict[str, PolicyFunction] = {}
+
+
+def register_policy(name: str) -> Callable[[PolicyFunction], PolicyFunction]:
+    """Decorator registering ``fn`` under ``name`` (names are unique)."""
+
+    def decorator(fn: PolicyFunction) -> PolicyFunction:
+        if name in _POLICIES:
+            raise ValueError(f"policy {name!r} is already registered")
+        _POLICIES[name] = fn
+        return fn
+
+    return decorator
+
+
+def policy_names() -> list[str]:
+    return sorted(_POLICIES)
+
+
+def get_policy(name: str) -> PolicyFunction:
+    try:
+        return _POLICIES[name]
+    except KeyError:
+        raise UnknownPolicyError(
+            f"unknown EPLB policy {name!r}; registered policies: {', '.join(policy_names())}"
+        ) from None
+
+
+def normalize_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``[L, N]`` or ``[S, L, N]`` load -> ``[S, L, N]`` float64 on the CPU (validated)."""
+    weight = torch.as_tensor(weight)
+    if weight.dim() == 2:
+        weight = weight.unsqueeze(0)
+    if weight.dim() != 3:
+        raise ValueError(f"weight must be [L, N] or [S, L, N], got shape {tuple(weight.shape)}")
+    if weight.is_complex():
+        raise TypeError(f"weight must be real, got {weight.dtype}")
+    weight = weight.detach().to(device="cpu", dtype=torch.float64)
+    if bool((weight < 0).any()) or not bool(torch.isfinite(weight).all()):
+        raise ValueError("weight must be finite and non-negative")
+    return weight
+
+
+def rebalance(
+    name: str,
+    weight: torch.Tensor,
+    num_replicas: int,
+    num_groups: int,
+    num_nodes: int,
+    num_ranks: int,
+    old_phy2log: torch.Tensor | None = None,
+    **options,
+) -> torch.Tensor:
+    """Run the policy ``name``; returns ``phy2log [L, P]`` int64 (see module docstring)."""
+    policy = get_policy(name)
+    samples = normalize_weight(weight)
+    if num_replicas % num_ranks != 0:
+        raise ValueError(f"num_replicas P={num_replicas} is not divisible by num_ranks={num_ranks}")
+    if num_replicas < samples.shape[2]:
+        raise ValueError(
+            f"num_replicas P={num_replicas} is smaller than the number of experts "
+            f"N={samples.shape[2]}"
+        )
+    if old_phy2log is not None:
+        old_phy2log = torch.as_tensor(old_phy2log, dtype=torch.int64).cpu()
+        expected = (samples.shape[1], num_replicas)
+        if tuple(old_phy2log.shape) != expected:
+            raise ValueError(
+                f"old_phy2log must be [L, P] = {list(expected)}, got {list(old_phy2log.shape)}"
+            )
+    phy2log = policy(
+        samples, num_replicas, num_groups, num_nodes, num_ranks, old_phy2log, **options
+    )
+    return phy2log.to(torch.int64)
