@@ -32,6 +32,21 @@ def _as_phy2log(phy2log: torch.Tensor | Sequence) -> torch.Tensor:
     return phy2log.detach().to(device="cpu", dtype=torch.int64).contiguous()
 
 
+def _as_row(phy2log_row: torch.Tensor | Sequence, layer: int) -> torch.Tensor:
+    """One layer's ``phy2log`` row; only a 1-D ``[P]`` input is accepted (never flattened)."""
+    try:
+        row = torch.as_tensor(phy2log_row)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise PlacementError(
+            f"layer {layer}: phy2log row is not an integer array: {error}"
+        ) from error
+    if row.dim() != 1:
+        raise PlacementError(
+            f"layer {layer}: phy2log row must be 1-D [P], got shape {tuple(row.shape)}"
+        )
+    return row
+
+
 def replica_counts(phy2log: torch.Tensor, num_logical: int) -> torch.Tensor:
     """Replicas of each expert per layer: ``phy2log [L, P]`` -> ``[L, N]`` int64, vectorized."""
     counts = torch.zeros(phy2log.shape[0], num_logical, dtype=torch.int64)
@@ -148,7 +163,7 @@ class Placement:
 
     def with_layer(self, layer: int, phy2log_row: torch.Tensor | Sequence) -> Placement:
         """A new placement equal to this one except for ``layer`` (validated)."""
-        row = _as_phy2log(torch.as_tensor(phy2log_row).reshape(1, -1))
+        row = _as_phy2log(_as_row(phy2log_row, layer).unsqueeze(0))
         if row.shape[1] != self.num_slots:
             raise PlacementError(
                 f"layer {layer}: phy2log row has {row.shape[1]} slots, expected {self.num_slots}"

@@ -16,7 +16,13 @@ from dataclasses import dataclass
 import torch
 
 from custom_ops._checks import INDEX_DTYPES
-from eplb_graph.placement import Placement, PlacementError, _as_phy2log, validate_phy2log
+from eplb_graph.placement import (
+    Placement,
+    PlacementError,
+    _as_phy2log,
+    _as_row,
+    validate_phy2log,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +83,8 @@ class EplbState:
         self.rank = rank
         self.device = device
         self._committed = placement.phy2log.clone()  # host mirror: the committed placement
+        self._version = 0
+        self._snapshot: torch.Tensor | None = None
 
         def alloc(host: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
             return host.to(device=device, dtype=dtype).contiguous()
@@ -104,6 +112,23 @@ class EplbState:
     def placement(self) -> Placement:
         """The committed placement (a value; later commits do not change it)."""
         return Placement(self._committed.clone(), self.num_logical, self.num_ranks)
+
+    @property
+    def placement_version(self) -> int:
+        """Incremented by every commit; lets load windows tell placements apart cheaply."""
+        return self._version
+
+    def committed_snapshot(self) -> tuple[int, torch.Tensor]:
+        """``(version, phy2log [L, P])`` of the committed placement; the tensor is never mutated
+        afterwards, so holders (load-window rows) keep the placement their load was recorded
+        under."""
+        if self._snapshot is None:
+            self._snapshot = self._committed.clone()
+        return self._version, self._snapshot
+
+    def _committed_changed(self) -> None:
+        self._version += 1
+        self._snapshot = None
 
     def graph_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor a graph may read, by name (their addresses never change)."""
@@ -147,7 +172,7 @@ class EplbState:
         """
         if not 0 <= layer < self.num_layers:
             raise PlacementError(f"layer must be in [0, {self.num_layers}), got {layer}")
-        row = _as_phy2log(torch.as_tensor(phy2log_row).reshape(1, -1))
+        row = _as_phy2log(_as_row(phy2log_row, layer).unsqueeze(0))
         if row.shape[1] != self.num_slots:
             raise PlacementError(
                 f"layer {layer}: phy2log row has {row.shape[1]} slots, expected {self.num_slots}"
@@ -170,6 +195,7 @@ class EplbState:
         self.replica_count[layer].copy_(replica_count, non_blocking=True)
         self.phy2log[layer].copy_(phy2log, non_blocking=True)
         self._committed[layer].copy_(phy2log)
+        self._committed_changed()
 
     def commit_layer_(self, layer: int, phy2log_row: torch.Tensor) -> None:
         """Validate, then commit one layer's placement in place (invariant 3's only writer)."""
@@ -197,6 +223,7 @@ class EplbState:
         self.replica_count.copy_(placement.replica_count().to(dtype), non_blocking=True)
         self.phy2log.copy_(placement.phy2log.to(dtype), non_blocking=True)
         self._committed.copy_(placement.phy2log)
+        self._committed_changed()
 
 
 def _for_layer(error: PlacementError, layer: int) -> PlacementError:

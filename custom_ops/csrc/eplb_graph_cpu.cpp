@@ -40,10 +40,18 @@ void dispatch_index_type(at::ScalarType type, const char* what, F&& body) {
   }
 }
 
+void check_index_dtype(const at::Tensor& t, const char* what) {
+  const auto type = t.scalar_type();
+  TORCH_CHECK(type == at::kInt || type == at::kLong, what, " should be int32 or int64, got ", type);
+}
+
 int64_t read_integer_scalar(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.dim() == 0, what, " should be a 0-d tensor, got ", t.dim(), "D");
-  TORCH_CHECK(at::isIntegralType(t.scalar_type(), /*includeBool=*/false), what,
-              " should be an integer tensor, got ", t.scalar_type());
+  // The same set as custom_ops/_checks.py, so eager CPU and compiled graphs accept alike.
+  const auto type = t.scalar_type();
+  TORCH_CHECK(type == at::kByte || type == at::kChar || type == at::kShort || type == at::kInt ||
+                  type == at::kLong,
+              what, " should be an integer tensor, got ", type);
   return t.item<int64_t>();  // CPU memory: a plain load, not a device sync.
 }
 
@@ -147,6 +155,7 @@ MapArgs make_map_args(const at::Tensor& ids, const at::Tensor& log2phy,
 RecordArgs make_record_args(const at::Tensor& load, const at::Tensor& num_valid_tokens,
                             const at::Tensor& record_enabled) {
   TORCH_CHECK(load.dim() == 1, "load should be a 1d tensor [P], got ", load.dim(), "D");
+  check_index_dtype(load, "load");
   TORCH_CHECK(record_enabled.dim() == 0, "record_enabled should be a 0-d tensor, got ",
               record_enabled.dim(), "D");
   TORCH_CHECK(record_enabled.scalar_type() == at::kBool, "record_enabled should be a bool tensor, got ",
@@ -201,6 +210,7 @@ void record_load_cpu(at::Tensor& load, const at::Tensor& physical_ids,
   const RecordArgs r = make_record_args(load, num_valid_tokens, record_enabled);
   TORCH_CHECK(physical_ids.dim() == 2, "physical_ids should be a 2d tensor [T, K], got ",
               physical_ids.dim(), "D");
+  check_index_dtype(physical_ids, "physical_ids");
   check_cpu(physical_ids, "physical_ids");
   if (!r.enabled) return;
   const at::Tensor ids = physical_ids.contiguous();

@@ -1,0 +1,176 @@
+"""Load window and step state machine (single process; multi-rank in test_control_multirank)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import eplb_graph
+from eplb_graph.control import (
+    ControlSettings,
+    EplbController,
+    LoadWindow,
+    balancedness_of_slots,
+)
+
+
+def _state(layers=2, experts=4, redundant=4, ranks=2) -> eplb_graph.EplbState:
+    return eplb_graph.EplbState(eplb_graph.Placement.default(layers, experts, redundant, ranks))
+
+
+def test_window_is_a_ring_that_counts_steps_not_recordings():
+    window = LoadWindow(3, 1, 4)
+    placement = torch.tensor([[0, 1, 2, 3]])
+    for step in range(5):
+        load = torch.full((1, 4), step + 1)
+        window.fold_pass_(load, placement, recorded=step != 3)
+        assert torch.count_nonzero(load) == (0 if step != 3 else 4)
+    assert window.chronological_rows() == [2, 0, 1]
+    assert [int(window.rows[r, 0, 0]) for r in window.chronological_rows()] == [3, 0, 5]
+    assert torch.equal(window.physical_total(), torch.full((1, 4), 8))
+
+
+def test_fold_uses_the_placement_live_when_each_step_was_recorded():
+    """Slot 1 held expert 1, then expert 2: its old counts must stay with expert 1."""
+    window = LoadWindow(4, 1, 4)
+    old = torch.tensor([[0, 1, 2, 3]])
+    new = torch.tensor([[0, 2, 1, 3]])  # experts 1 and 2 swapped slots
+    window.fold_pass_(torch.tensor([[0, 10, 0, 0]]), old, recorded=True)
+    window.fold_pass_(torch.tensor([[0, 7, 0, 0]]), new, recorded=True)
+    samples = window.logical_samples(num_logical=4, num_samples=2)
+    assert samples.tolist() == [[[0, 10, 0, 0]], [[0, 0, 7, 0]]]
+    assert window.logical_samples(4, 1).tolist() == [[[0, 10, 7, 0]]]
+
+
+def test_time_buckets_keep_chronological_order():
+    window = LoadWindow(6, 1, 2)
+    placement = torch.tensor([[0, 1]])
+    for step in range(6):
+        window.fold_pass_(torch.tensor([[step, 0]]), placement, recorded=True)
+    assert window.logical_samples(2, 3)[:, 0, 0].tolist() == [0 + 1, 2 + 3, 4 + 5]
+    assert window.logical_samples(2, 100).shape[0] == 6
+
+
+def _run(controller: EplbController, steps: int, *, prefill_every: int = 0, load_value: int = 1):
+    reports = []
+    for step in range(steps):
+        has_prefill = prefill_every > 0 and step % prefill_every == 0
+        controller.begin_step(has_prefill=has_prefill, num_valid_tokens=4)
+        # Stand-in for the graph: the routing op adds to the load pass iff recording is on.
+        controller.state.load.add_(load_value * controller.state.record_enabled.long())
+        report = controller.end_step()
+        if report is not None:
+            reports.append((controller.step, report))
+    return reports
+
+
+def test_first_rearrangement_after_quarter_interval_then_every_interval():
+    settings = ControlSettings(window_size=4, step_interval=20)
+    controller = EplbController(_state(), settings, planner=lambda load: None)
+    reports = _run(controller, 65)
+    assert [step for step, _ in reports] == [5, 25, 45, 65]
+
+
+def test_recording_only_within_window_of_next_rearrangement():
+    settings = ControlSettings(window_size=3, step_interval=10)
+    controller = EplbController(_state(), settings)
+    recorded = []
+    for _ in range(12):
+        controller.begin_step(has_prefill=False, num_valid_tokens=1)
+        recorded.append(bool(controller.state.record_enabled))
+        controller.end_step()
+    # Close at step 2 (10 // 4) and 12: the 3 steps before each close record.
+    assert recorded == [
+        True,
+        True,
+        False,
+        False,
+        False,
+        False,
+        False,
+        False,
+        False,
+        True,
+        True,
+        True,
+    ]
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode", "all"])
+def test_phase_filter_zero_load_but_window_advances(phase):
+    settings = ControlSettings(window_size=8, step_interval=32, load_collection_phase=phase)
+    controller = EplbController(_state(), settings)
+    reports = _run(controller, 8, prefill_every=2)  # steps 0,2,4,6 prefill
+    assert controller.window.steps_seen == 8
+    assert len(reports) == 1  # 32 // 4 = 8: one close, whatever the phase
+    report = reports[0][1]
+    per_step = controller.state.num_layers * controller.state.num_slots
+    expected_steps = {"prefill": 4, "decode": 4, "all": 8}[phase]
+    assert int(report.load.physical.sum()) == expected_steps * per_step
+
+
+def test_unknown_phase_rejected_with_choices():
+    with pytest.raises(ValueError, match="load_collection_phase must be one of 'all'"):
+        ControlSettings(load_collection_phase="chunked")
+
+
+def test_no_collective_on_steps_where_nothing_is_due():
+    calls = []
+
+    def counting_reduce(tensor):
+        calls.append(tensor.numel())
+        return tensor
+
+    settings = ControlSettings(window_size=5, step_interval=40)
+    controller = EplbController(_state(), settings, reduce=counting_reduce)
+    _run(controller, 90)  # closes at 10, 50, 90
+    assert len(calls) == 3
+
+
+def test_balancedness_logging_is_one_collective_per_interval(caplog):
+    calls = []
+    settings = ControlSettings(
+        window_size=4, step_interval=100, log_balancedness=True, log_balancedness_interval=5
+    )
+    controller = EplbController(
+        _state(), settings, reduce=lambda t: (calls.append(t.numel()), t)[1]
+    )
+    with caplog.at_level("INFO", logger="eplb_graph.control.controller"):
+        _run(controller, 20)
+    assert len(calls) == 4
+    assert controller.last_logged_balancedness == pytest.approx(1.0)
+    assert "balancedness 1.0000" in caplog.text
+    assert controller.snapshot()["last_logged_balancedness"] == pytest.approx(1.0)
+
+
+def test_planner_sees_logical_load_of_the_real_routing_op():
+    """End to end through map_and_record: the folded logical load equals the router's picks."""
+    state = _state(layers=1, experts=4, redundant=4, ranks=2)
+    seen = []
+    settings = ControlSettings(window_size=4, step_interval=16, time_samples=2)
+    controller = EplbController(state, settings, planner=lambda load: seen.append(load))
+    generator = torch.Generator().manual_seed(0)
+    expected = torch.zeros(4, dtype=torch.int64)
+    for _ in range(4):
+        ids = torch.randint(0, 4, (6, 2), generator=generator)
+        controller.begin_step(has_prefill=False, num_valid_tokens=5)
+        torch.ops.eplb_graph.map_and_record(
+            ids,
+            state.log2phy[0],
+            state.replica_count[0],
+            state.offset,
+            state.load[0],
+            state.num_valid_tokens,
+            state.record_enabled,
+        )
+        expected += torch.bincount(ids[:5].flatten(), minlength=4)
+        controller.end_step()
+    assert len(seen) == 1
+    assert torch.equal(seen[0].logical.sum(dim=0)[0], expected)
+    assert seen[0].logical.shape == (2, 1, 4)
+
+
+def test_balancedness_of_slots_formula():
+    physical = torch.tensor([[4, 0, 1, 1], [0, 0, 0, 0]])  # 2 ranks x 2 slots: loads 4 and 2
+    assert balancedness_of_slots(physical, 2) == pytest.approx(3 / 4)
+    assert balancedness_of_slots(torch.zeros(2, 4, dtype=torch.int64), 2) == 0.0
