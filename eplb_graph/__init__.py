@@ -6,8 +6,19 @@ Importing this package registers ``torch.ops.eplb_graph.*`` (see ``custom_ops``)
 from __future__ import annotations
 
 import custom_ops as _custom_ops  # noqa: F401  (registers torch.ops.eplb_graph)
+from eplb_graph.config import ConfigError, EplbConfig, LegacyEplbConfig, resolve_eplb_config
+from eplb_graph.expert_map import ExpertMapError
 from eplb_graph.placement import Placement, PlacementError
 from eplb_graph.state import EplbState
 
-__all__ = ["EplbState", "Placement", "PlacementError"]
+__all__ = [
+    "ConfigError",
+    "EplbConfig",
+    "EplbState",
+    "ExpertMapError",
+    "LegacyEplbConfig",
+    "Placement",
+    "PlacementError",
+    "resolve_eplb_config",
+]
 __version__ = "0.1.0"

@@ -45,6 +45,51 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _map_validate(args: argparse.Namespace) -> int:
+    """Validate an expert-map file: 0 valid, 1 invalid content, 2 unreadable file.
+
+    Exit 1 and 2 are kept apart so scripts can tell "fix the map" from "fix the path".
+    """
+    from eplb_graph.expert_map import ExpertMapError, load_expert_map, summarize
+
+    report: dict = {"file": args.file, "valid": False, "error": None, "summary": None}
+    try:
+        placement = load_expert_map(args.file, num_logical=args.num_logical)
+    except ExpertMapError as error:
+        report["error"] = str(error)
+        sys.stdout.write(f"invalid: {error}\n")
+        status = 1
+    except OSError as error:
+        report["error"] = f"cannot read {args.file}: {error.strerror or error}"
+        sys.stderr.write(f"eplb-graph map validate: {report['error']}\n")
+        status = 2
+    else:
+        report["valid"] = True
+        report["summary"] = summarize(placement)
+        sys.stdout.write(f"valid: {args.file}\n")
+        width = max(len(key) for key in report["summary"])
+        for key, value in report["summary"].items():
+            shown = json.dumps(value) if isinstance(value, dict) else value
+            sys.stdout.write(f"  {key:<{width}}  {shown}\n")
+        status = 0
+    try:
+        _write_json(args.json, report)
+    except OSError as error:
+        sys.stderr.write(f"eplb-graph map validate: cannot write --json {args.json}: {error}\n")
+        return 2
+    return status
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="eplb-graph",
@@ -58,6 +103,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     info.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     info.set_defaults(handler=_info)
+
+    map_parser = commands.add_parser("map", help="expert-map JSON files (vllm-ascend schema)")
+    map_commands = map_parser.add_subparsers(dest="map_command", required=True)
+    validate = map_commands.add_parser(
+        "validate",
+        help="check an expert map; exit 0 valid, 1 invalid, 2 usage or I/O error",
+        description="Check an expert-map file and print a summary (layers, devices, slots, "
+        "redundancy, replica histogram). Exit status: 0 valid, 1 invalid, 2 usage or I/O error.",
+    )
+    validate.add_argument("file", metavar="FILE", help="expert-map JSON file")
+    validate.add_argument(
+        "--num-logical",
+        type=_positive_int,
+        metavar="N",
+        help="the model's logical expert count (default: max id + 1, which cannot detect "
+        "experts missing from every layer)",
+    )
+    validate.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    validate.set_defaults(handler=_map_validate)
+
+    from eplb_graph.simulate.command import add_parser as add_simulate_parser
+
+    add_simulate_parser(commands)
     return parser
 
 

@@ -8,6 +8,7 @@ copies of derived tables.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -190,6 +191,25 @@ class Placement:
             f"Placement(layers={self.num_layers}, logical={self.num_logical}, "
             f"slots={self.num_slots}, ranks={self.num_ranks})"
         )
+
+    # -- expert-map files (vllm-ascend JSON schema; see eplb_graph.expert_map) ----------------
+    @classmethod
+    def load_expert_map(cls, path: str | os.PathLike, num_logical: int | None = None) -> Placement:
+        """Read and fully validate an expert-map JSON file (``num_ranks`` = its device count).
+
+        ``num_logical`` defaults to ``max id + 1``; pass the model's N to catch experts missing
+        from every layer. Raises ``ExpertMapError`` (a :class:`PlacementError`) naming the layer,
+        device and slot of the first defect, or ``OSError`` if the file cannot be read.
+        """
+        from eplb_graph.expert_map import load_expert_map
+
+        return load_expert_map(path, num_logical=num_logical)
+
+    def save_expert_map(self, path: str | os.PathLike) -> None:
+        """Write this placement as an expert-map JSON file atomically (old file kept on crash)."""
+        from eplb_graph.expert_map import save_expert_map
+
+        save_expert_map(self, path)
 
 
 def validate_phy2log(phy2log: torch.Tensor, num_logical: int, num_ranks: int) -> None:

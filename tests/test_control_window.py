@@ -7,6 +7,7 @@ import torch
 
 import eplb_graph
 from eplb_graph.control import (
+    CollectionPhase,
     ControlSettings,
     EplbController,
     LoadWindow,
@@ -174,3 +175,15 @@ def test_balancedness_of_slots_formula():
     physical = torch.tensor([[4, 0, 1, 1], [0, 0, 0, 0]])  # 2 ranks x 2 slots: loads 4 and 2
     assert balancedness_of_slots(physical, 2) == pytest.approx(3 / 4)
     assert balancedness_of_slots(torch.zeros(2, 4, dtype=torch.int64), 2) == 0.0
+
+
+def test_settings_from_v2_config_cap_the_window_at_the_interval():
+    config = eplb_graph.EplbConfig(
+        window_size=500, step_interval=200, policy="default", load_collection_phase="decode"
+    )
+    settings = ControlSettings.from_config(config, num_groups=4, num_nodes=2)
+    assert settings.effective_window_size == 200
+    assert settings.load_collection_phase is CollectionPhase.DECODE
+    assert (settings.num_groups, settings.num_nodes) == (4, 2)
+    controller = EplbController(_state(), ControlSettings(window_size=50, step_interval=8))
+    assert controller.window.window_size == 8

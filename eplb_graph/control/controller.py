@@ -73,6 +73,26 @@ class ControlSettings:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
+    @property
+    def effective_window_size(self) -> int:
+        """Load older than the previous rearrangement cannot inform the next one."""
+        return min(self.window_size, self.step_interval)
+
+    @classmethod
+    def from_config(cls, config, *, num_groups: int = 1, num_nodes: int = 1, **extra):
+        """Settings from a validated :class:`eplb_graph.config.EplbConfig` (V2 path)."""
+        return cls(
+            window_size=config.effective_window_size,
+            step_interval=config.step_interval,
+            load_collection_phase=config.load_collection_phase,
+            policy=config.policy,
+            num_groups=num_groups,
+            num_nodes=num_nodes,
+            log_balancedness=config.log_balancedness,
+            log_balancedness_interval=config.log_balancedness_interval,
+            **extra,
+        )
+
 
 @dataclass(frozen=True)
 class WindowLoad:
@@ -132,7 +152,7 @@ class EplbController:
         self.planner = planner
         self.on_plan = on_plan
         self.window = LoadWindow(
-            settings.window_size,
+            settings.effective_window_size,
             state.num_layers,
             state.num_slots,
             dtype=state.load.dtype,
@@ -152,7 +172,7 @@ class EplbController:
         """Record only steps whose load can reach the next window close or balancedness log."""
         if self.settings.log_balancedness:
             return True
-        return self.steps_to_rearrangement <= self.settings.window_size
+        return self.steps_to_rearrangement <= self.settings.effective_window_size
 
     def begin_step(self, *, has_prefill: bool, num_valid_tokens: int) -> None:
         """Before the forward: decide the batch phase once, set the graph's step inputs."""
@@ -186,7 +206,7 @@ class EplbController:
         recent = min(
             self.settings.log_balancedness_interval,
             self.window.steps_seen,
-            self.settings.window_size,
+            self.window.window_size,
         )
         rows = self.window.chronological_rows()[-recent:]
         index = torch.tensor(rows, device=self.window.rows.device)

@@ -1,0 +1,55 @@
+"""Turns a closed window's load into a new placement through a registered policy.
+
+Shared by the live runtime (run on the movement worker's thread in async mode) and the
+simulator, so a policy tuned in simulation behaves the same in serving.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from eplb_graph.control.controller import WindowLoad
+
+
+@dataclass
+class PolicyPlanner:
+    """Callable ``WindowLoad -> phy2log [L, P] | None`` (``None``: keep the placement).
+
+    Args:
+        policy: registered policy name (``eplb_graph.policy.policy_names()``).
+        num_replicas, num_groups, num_nodes, num_ranks: the cluster shape the policy plans for.
+        options: policy-specific keyword options.
+    """
+
+    policy: str
+    num_replicas: int
+    num_groups: int
+    num_nodes: int
+    num_ranks: int
+    options: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from eplb_graph.policy import get_policy
+
+        get_policy(self.policy)  # unknown names fail at start-up, not at the first window
+
+    def __call__(self, load: WindowLoad) -> torch.Tensor | None:
+        from eplb_graph.policy import rebalance
+
+        if float(load.logical.sum()) == 0.0:
+            return None  # nothing was recorded: no evidence to plan on
+        new_phy2log = rebalance(
+            self.policy,
+            load.logical,
+            self.num_replicas,
+            self.num_groups,
+            self.num_nodes,
+            self.num_ranks,
+            old_phy2log=load.committed,
+            **self.options,
+        )
+        if torch.equal(new_phy2log, load.committed):
+            return None
+        return new_phy2log

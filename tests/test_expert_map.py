@@ -1,0 +1,405 @@
+"""Expert-map JSON: every defect class, round trips, atomic writes and ``map validate``."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from eplb_graph import Placement, PlacementError, cli
+from eplb_graph import expert_map as expert_map_module
+from eplb_graph.expert_map import (
+    ExpertMapError,
+    expert_map_document,
+    load_expert_map,
+    parse_expert_map,
+    summarize,
+)
+
+
+def document(layers: int = 2, experts: int = 6, redundant: int = 2, devices: int = 2) -> dict:
+    return expert_map_document(Placement.default(layers, experts, redundant, devices))
+
+
+def random_placement(seed: int, layers: int, experts: int, devices: int, slots: int) -> Placement:
+    """A valid placement with no expert twice on one device (expressible in the schema)."""
+    generator = torch.Generator().manual_seed(seed)
+    table = []
+    for _layer in range(layers):
+        rows: list[list[int]] = [[] for _ in range(devices)]
+        for position, expert in enumerate(torch.randperm(experts, generator=generator).tolist()):
+            rows[position // slots].append(expert)
+        for row in rows:
+            while len(row) < slots:
+                free = [e for e in range(experts) if e not in row]
+                row.append(free[int(torch.randint(len(free), (1,), generator=generator))])
+        table.append([e for row in rows for e in row])
+    return Placement(table, experts, devices)
+
+
+def fails(document: Any, match: str, num_logical: int | None = None, **where: int | None):
+    with pytest.raises(ExpertMapError, match=match) as info:
+        parse_expert_map(document, num_logical=num_logical)
+    for key, value in where.items():
+        assert getattr(info.value, key) == value, (key, str(info.value))
+    return info.value
+
+
+# -- file-level defects ---------------------------------------------------------------------------
+def test_malformed_json_reports_line_and_column(tmp_path):
+    path = tmp_path / "map.json"
+    path.write_text('{\n  "moe_layer_count": 1,\n  "layer_list": [,]\n}')
+    with pytest.raises(ExpertMapError, match=r"malformed JSON at line 3, column 18") as info:
+        load_expert_map(path)
+    assert info.value.path == str(path) and str(path) in str(info.value)
+
+
+def test_non_utf8_nan_and_duplicate_keys_are_rejected(tmp_path):
+    path = tmp_path / "map.json"
+    path.write_bytes(b'{"moe_layer_count": \xff}')
+    with pytest.raises(ExpertMapError, match="not UTF-8 text"):
+        load_expert_map(path)
+    path.write_text('{"moe_layer_count": NaN, "layer_list": []}')
+    with pytest.raises(ExpertMapError, match="NaN is not valid JSON"):
+        load_expert_map(path)
+    path.write_text('{"moe_layer_count": 1, "moe_layer_count": 2, "layer_list": []}')
+    with pytest.raises(ExpertMapError, match="duplicate key 'moe_layer_count'"):
+        load_expert_map(path)
+
+
+def test_unreadable_file_is_an_os_error_not_a_map_error(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        load_expert_map(tmp_path / "missing.json")
+    with pytest.raises(IsADirectoryError):
+        load_expert_map(tmp_path)
+
+
+# -- structure ------------------------------------------------------------------------------------
+def test_top_level_shape():
+    fails([], "the document must be a JSON object, got an array")
+    fails({"layer_list": []}, "missing key 'moe_layer_count'")
+    fails({"moe_layer_count": 1}, "missing key 'layer_list'")
+    doc = document()
+    doc["layers"] = 1
+    fails(doc, "unknown key 'layers' .allowed: moe_layer_count, layer_list")
+
+
+def test_wrong_types_bool_is_not_an_int():
+    doc = document()
+    doc["moe_layer_count"] = "2"
+    fails(doc, 'moe_layer_count must be an integer, got a string "2"')
+    doc = document()
+    doc["moe_layer_count"] = True
+    fails(doc, "moe_layer_count must be an integer, got a boolean true")
+    doc = document()
+    doc["layer_list"][1]["layer_id"] = True
+    fails(doc, "layer_id must be an integer, got a boolean", layer=1)
+    doc = document()
+    doc["layer_list"] = {}
+    fails(doc, "layer_list must be a JSON array, got an object")
+    doc = document()
+    doc["layer_list"][0]["device_list"][1]["device_expert"][2] = False
+    fails(doc, "expert id must be an integer, got a boolean", layer=0, device=1, slot=2)
+    doc = document()
+    doc["layer_list"][0]["device_list"][0]["device_expert"][0] = 1.0
+    fails(doc, "expert id must be an integer, got a number 1.0", layer=0, device=0, slot=0)
+    doc = document()
+    doc["layer_list"][0]["device_list"][0]["device_expert"] = "0 1 2 3"
+    fails(doc, "device_expert must be a JSON array, got a string", layer=0, device=0)
+    doc = document()
+    doc["layer_list"][0]["device_list"][1]["device_id"] = "1"
+    fails(doc, r"device_list\[1\].device_id must be an integer", layer=0)
+    doc = document()
+    doc["layer_list"][1] = [0]
+    fails(doc, r"layer_list\[1\] must be a JSON object, got an array", layer=1)
+
+
+def test_moe_layer_count_must_match_layer_list():
+    doc = document(layers=3)
+    doc["moe_layer_count"] = 2
+    fails(doc, "moe_layer_count is 2 but layer_list has 3 layers")
+    doc["moe_layer_count"] = 0
+    fails(doc, "moe_layer_count must be >= 1, got 0")
+
+
+def test_layer_missing_key_is_named():
+    doc = document()
+    del doc["layer_list"][1]["device_count"]
+    fails(doc, r"layer_list\[1\] is missing key 'device_count'", layer=1)
+
+
+def test_layer_id_duplicates_and_order():
+    doc = document(layers=3)
+    doc["layer_list"][2]["layer_id"] = 1
+    fails(doc, r"layer_id 1 appears twice \(layer_list\[1\] and layer_list\[2\]\)", layer=2)
+    doc = document(layers=3)
+    doc["layer_list"][0]["layer_id"], doc["layer_list"][1]["layer_id"] = 1, 0
+    fails(doc, r"layer_list\[0\] has layer_id 1; list layers in order with layer_id 0..2", layer=0)
+
+
+def test_device_count_must_match_device_list_and_other_layers():
+    doc = document()
+    doc["layer_list"][1]["device_count"] = 3
+    fails(doc, "device_count is 3 but device_list has 2 devices", layer=1)
+    doc["layer_list"][1]["device_count"] = 0
+    fails(doc, "device_count must be >= 1, got 0", layer=1)
+    doc = document(devices=2)
+    doc["layer_list"][1] = document(layers=1, redundant=0, devices=3)["layer_list"][0]
+    doc["layer_list"][1]["layer_id"] = 1
+    fails(doc, "device_count is 3 but layer 0 has 2; every layer must span the same", layer=1)
+
+
+def test_device_id_duplicates_and_gaps():
+    doc = document(devices=2)
+    doc["layer_list"][0]["device_list"][1]["device_id"] = 0
+    fails(doc, r"device_id 0 appears twice \(device_list\[0\] and device_list\[1\]\)", layer=0)
+    doc["layer_list"][0]["device_list"][1]["device_id"] = 2
+    fails(doc, r"device ids must be exactly 0..1 .*missing \[1\], unexpected \[2\]", layer=0)
+
+
+def test_devices_may_be_listed_in_any_order():
+    doc = document()
+    reordered = copy.deepcopy(doc)
+    reordered["layer_list"][0]["device_list"].reverse()
+    assert parse_expert_map(reordered) == parse_expert_map(doc)
+
+
+def test_unequal_slot_counts_across_devices_and_layers():
+    doc = document()
+    doc["layer_list"][0]["device_list"][1]["device_expert"].append(5)
+    fails(doc, "device_expert has 5 slots but layer 0, device 0 has 4", layer=0, device=1)
+    doc = document()
+    for device in doc["layer_list"][1]["device_list"]:
+        device["device_expert"].pop()
+    fails(doc, "has 3 slots but layer 0, device 0 has 4", layer=1, device=0)
+    doc = document()
+    doc["layer_list"][0]["device_list"][0]["device_expert"] = []
+    fails(doc, "device_expert is empty", layer=0, device=0)
+
+
+# -- content --------------------------------------------------------------------------------------
+def test_ids_out_of_range_with_given_num_logical():
+    doc = document(experts=6)
+    doc["layer_list"][1]["device_list"][1]["device_expert"][3] = 9
+    fails(
+        doc,
+        r"layer 1, device 1, slot 3: expert id 9 is out of range \[0, 6\)",
+        num_logical=6,
+        layer=1,
+        device=1,
+        slot=3,
+    )
+    doc["layer_list"][1]["device_list"][1]["device_expert"][3] = -1
+    fails(doc, "expert id -1 is negative", layer=1, device=1, slot=3)
+
+
+def test_num_logical_is_inferred_as_max_id_plus_one():
+    placement = parse_expert_map(document(experts=6))
+    assert placement.num_logical == 6
+    # Inference cannot see that expert 6 is missing everywhere; an explicit N can.
+    fails(document(experts=6), "logical expert 6 is on no device", num_logical=7, layer=0)
+    with pytest.raises(ValueError, match="num_logical must be an integer >= 1"):
+        parse_expert_map(document(), num_logical=0)
+
+
+def test_logical_expert_absent_from_a_layer():
+    doc = document(layers=2, experts=6, redundant=2, devices=2)
+    # layer 1: replace expert 3 (its only slot: device 0, slot 3) by 5 (not yet on device 0)
+    doc["layer_list"][1]["device_list"][0]["device_expert"][3] = 5
+    fails(doc, "layer 1: logical expert 3 is on no device", num_logical=6, layer=1)
+
+
+def test_duplicate_expert_on_one_device():
+    doc = document()
+    doc["layer_list"][1]["device_list"][1]["device_expert"][3] = 4
+    fails(doc, "layer 1, device 1: expert 4 appears in slots 0, 3", layer=1, device=1)
+
+
+def test_error_type_and_pickling():
+    error = fails({"moe_layer_count": 1}, "missing key")
+    assert isinstance(error, PlacementError) and isinstance(error, ValueError)
+    copy_ = pickle.loads(pickle.dumps(ExpertMapError("bad", path="m.json", layer=1, slot=2)))
+    assert (copy_.path, copy_.layer, copy_.device, copy_.slot) == ("m.json", 1, None, 2)
+    assert str(copy_) == "expert map m.json: layer 1, slot 2: bad"
+
+
+# -- round trip and writing -----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("seed", "layers", "experts", "devices", "slots"),
+    [(0, 1, 4, 2, 2), (1, 3, 6, 2, 4), (2, 4, 16, 4, 5), (3, 2, 8, 8, 1)],
+)
+def test_save_then_load_round_trips(tmp_path, seed, layers, experts, devices, slots):
+    placement = random_placement(seed, layers, experts, devices, slots)
+    path = tmp_path / "map.json"
+    placement.save_expert_map(path)
+    assert Placement.load_expert_map(path, num_logical=experts) == placement
+    assert Placement.load_expert_map(str(path)) == placement
+    assert json.loads(path.read_text()) == expert_map_document(placement)
+
+
+def test_saved_file_has_the_vllm_ascend_schema(tmp_path):
+    path = tmp_path / "map.json"
+    Placement([[0, 1, 2, 0], [1, 2, 0, 2]], 3, 2).save_expert_map(path)
+    assert json.loads(path.read_text()) == {
+        "moe_layer_count": 2,
+        "layer_list": [
+            {
+                "layer_id": 0,
+                "device_count": 2,
+                "device_list": [
+                    {"device_id": 0, "device_expert": [0, 1]},
+                    {"device_id": 1, "device_expert": [2, 0]},
+                ],
+            },
+            {
+                "layer_id": 1,
+                "device_count": 2,
+                "device_list": [
+                    {"device_id": 0, "device_expert": [1, 2]},
+                    {"device_id": 1, "device_expert": [0, 2]},
+                ],
+            },
+        ],
+    }
+
+
+def test_save_refuses_a_placement_the_schema_cannot_express(tmp_path):
+    path = tmp_path / "map.json"
+    path.write_text("old")
+    with pytest.raises(ExpertMapError, match="layer 0, device 0: expert 0 appears in slots 0, 2"):
+        Placement([[0, 1, 0, 1]], 2, 1).save_expert_map(path)
+    assert path.read_text() == "old" and sorted(os.listdir(tmp_path)) == ["map.json"]
+
+
+def _old_map(tmp_path: Path) -> tuple[Path, str]:
+    path = tmp_path / "map.json"
+    Placement.default(2, 4, 0, 2).save_expert_map(path)
+    return path, path.read_text()
+
+
+@pytest.mark.parametrize("crash_in", ["write", "fsync", "replace"])
+def test_crash_mid_write_keeps_the_old_map(tmp_path, monkeypatch, crash_in):
+    path, before = _old_map(tmp_path)
+    new = Placement([[3, 2, 1, 0], [0, 1, 2, 3]], 4, 2)
+
+    class Crash(RuntimeError):
+        pass
+
+    if crash_in == "write":
+        real_tempfile = expert_map_module.tempfile.NamedTemporaryFile
+
+        def crashing_tempfile(*args, **kwargs):
+            """The temporary file gets half the bytes, then the process "dies"."""
+            handle = real_tempfile(*args, **kwargs)
+            real_write = handle.write
+
+            def write(text):
+                real_write(text[: len(text) // 2])
+                handle.flush()
+                raise Crash("power cut")
+
+            handle.write = write
+            return handle
+
+        monkeypatch.setattr(expert_map_module.tempfile, "NamedTemporaryFile", crashing_tempfile)
+    elif crash_in == "fsync":
+        monkeypatch.setattr(expert_map_module.os, "fsync", _raiser(Crash))
+    else:
+        monkeypatch.setattr(expert_map_module.os, "replace", _raiser(Crash))
+    with pytest.raises(Crash):
+        new.save_expert_map(path)
+    assert path.read_text() == before
+    assert Placement.load_expert_map(path) == Placement.default(2, 4, 0, 2)
+    assert sorted(os.listdir(tmp_path)) == ["map.json"], "temporary file left behind"
+
+
+def _raiser(error: type[BaseException]):
+    def raise_(*_args, **_kwargs):
+        raise error("crash")
+
+    return raise_
+
+
+def test_overwrite_keeps_the_file_mode(tmp_path):
+    path, _ = _old_map(tmp_path)
+    path.chmod(0o640)
+    Placement.default(1, 4, 0, 2).save_expert_map(path)
+    assert path.stat().st_mode & 0o777 == 0o640
+    fresh = tmp_path / "fresh.json"
+    Placement.default(1, 4, 0, 2).save_expert_map(fresh)
+    assert fresh.stat().st_mode & 0o777 == 0o644
+
+
+def test_save_into_missing_directory_is_an_os_error(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        Placement.default(1, 4, 0, 2).save_expert_map(tmp_path / "no" / "map.json")
+
+
+def test_summary_counts_replicas():
+    summary = summarize(Placement([[0, 1, 2, 0], [1, 2, 0, 2]], 3, 2))
+    assert summary == {
+        "layers": 2,
+        "devices": 2,
+        "slots_per_device": 2,
+        "num_slots": 4,
+        "num_logical": 3,
+        "num_redundant": 1,
+        "max_replicas": 2,
+        "replicas_histogram": {"1": 4, "2": 2},
+    }
+
+
+# -- CLI ------------------------------------------------------------------------------------------
+def test_cli_valid_map_exit_0_prints_summary_and_json(tmp_path, capsys):
+    path = tmp_path / "map.json"
+    Placement.default(2, 6, 2, 2).save_expert_map(path)
+    report_path = tmp_path / "report.json"
+    assert cli.main(["map", "validate", str(path), "--json", str(report_path)]) == 0
+    out = capsys.readouterr().out
+    assert "valid:" in out and "slots_per_device" in out and "replicas_histogram" in out
+    report = json.loads(report_path.read_text())
+    assert report["valid"] is True and report["error"] is None
+    assert report["summary"] == summarize(Placement.default(2, 6, 2, 2))
+
+
+def test_cli_invalid_map_exit_1_prints_error_and_json(tmp_path, capsys):
+    doc = document()
+    doc["layer_list"][1]["device_list"][1]["device_expert"][3] = 4
+    path = tmp_path / "map.json"
+    path.write_text(json.dumps(doc))
+    report_path = tmp_path / "report.json"
+    assert cli.main(["map", "validate", str(path), "--json", str(report_path)]) == 1
+    assert "expert 4 appears in slots 0, 3" in capsys.readouterr().out
+    report = json.loads(report_path.read_text())
+    assert report["valid"] is False and report["summary"] is None
+    assert "layer 1, device 1" in report["error"]
+
+
+def test_cli_num_logical_catches_experts_missing_everywhere(tmp_path):
+    path = tmp_path / "map.json"
+    Placement.default(1, 6, 2, 2).save_expert_map(path)
+    assert cli.main(["map", "validate", str(path)]) == 0
+    assert cli.main(["map", "validate", str(path), "--num-logical", "7"]) == 1
+
+
+def test_cli_io_and_usage_errors_exit_2(tmp_path, capsys):
+    report_path = tmp_path / "report.json"
+    missing = str(tmp_path / "missing.json")
+    assert cli.main(["map", "validate", missing, "--json", str(report_path)]) == 2
+    assert "cannot read" in capsys.readouterr().err
+    report = json.loads(report_path.read_text())
+    assert report["valid"] is False and "cannot read" in report["error"]
+    for argv in (["map", "validate"], ["map", "validate", missing, "--num-logical", "0"], ["map"]):
+        with pytest.raises(SystemExit) as info:
+            cli.main(argv)
+        assert info.value.code == 2
+    path = tmp_path / "map.json"
+    Placement.default(1, 4, 0, 2).save_expert_map(path)
+    unwritable = str(tmp_path / "no" / "report.json")
+    assert cli.main(["map", "validate", str(path), "--json", unwritable]) == 2
