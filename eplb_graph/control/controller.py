@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from eplb_graph.control.phases import BatchPhase, CollectionPhase
-from eplb_graph.control.window import LoadWindow
+from eplb_graph.control.window import LoadWindow, fold_to_logical
 from eplb_graph.state import EplbState
 
 logger = logging.getLogger(__name__)
@@ -117,6 +117,33 @@ class WindowReport:
 Planner = Callable[[WindowLoad], "torch.Tensor | None"]
 
 
+@dataclass(frozen=True)
+class WindowSnapshot:
+    """A closed window handed to the movement worker (async mode) before any reduction.
+
+    ``rows`` lives in a buffer the controller allocated once; the worker must finish reading it
+    before it reports idle again (the controller only refills it when the worker is idle).
+    """
+
+    step: int
+    rows: torch.Tensor  # [r, L, P] chronological, on the state's device
+    placements: list  # [r] phy2log [L, P] per row (None: not recorded)
+    committed: torch.Tensor  # [L, P] phy2log live at the close
+
+
+def reduce_window(
+    snapshot: WindowSnapshot, reduce: LoadReducer, num_logical: int, time_samples: int
+) -> WindowLoad:
+    """Fold a window to logical experts and sum it across ranks in one collective."""
+    logical = fold_to_logical(snapshot.rows, snapshot.placements, num_logical, time_samples)
+    physical = snapshot.rows.sum(dim=0).to("cpu", torch.int64)
+    num_layers = physical.shape[0]
+    packed = reduce(torch.cat([logical.reshape(-1), physical.reshape(-1)]))
+    logical = packed[: logical.numel()].view(-1, num_layers, num_logical)
+    physical = packed[logical.numel() :].view(num_layers, -1)
+    return WindowLoad(snapshot.step, logical, physical, snapshot.committed)
+
+
 def balancedness_of_slots(physical: torch.Tensor, num_ranks: int) -> float:
     """Upstream balancedness of executed slot load ``[L, P]``: sum of per-layer mean rank load
     over sum of per-layer max rank load (0 when nothing ran)."""
@@ -135,6 +162,10 @@ class EplbController:
         planner: called with the reduced window at each close; returns the new ``phy2log``
             or ``None`` to keep the placement. In async mode the movement worker runs it.
         on_plan: receives each non-``None`` plan (the movement plane / commit scheduler).
+        handoff: async mode. At a window close the controller snapshots the window in place (no
+            collective, no host sync on the main thread) and calls ``handoff(snapshot)``, which
+            returns False when the worker is still busy (the close is then skipped and counted).
+            ``reduce``/``planner``/``on_plan`` are the worker's business in this mode.
     """
 
     def __init__(
@@ -145,12 +176,17 @@ class EplbController:
         reduce: LoadReducer = local_reducer,
         planner: Planner | None = None,
         on_plan: Callable[[WindowReport], None] | None = None,
+        handoff: Callable[[WindowSnapshot], bool] | None = None,
+        is_busy: Callable[[], bool] | None = None,
     ) -> None:
         self.state = state
         self.settings = settings
         self.reduce = reduce
         self.planner = planner
         self.on_plan = on_plan
+        self.handoff = handoff
+        self.is_busy = is_busy or (lambda: False)
+        self.windows_skipped_busy = 0
         self.window = LoadWindow(
             settings.effective_window_size,
             state.num_layers,
@@ -158,6 +194,7 @@ class EplbController:
             dtype=state.load.dtype,
             device=state.device,
         )
+        self._snapshot_rows = torch.empty_like(self.window.rows) if handoff is not None else None
         self.step = 0
         # Upstream: the first rearrangement comes after step_interval // 4 steps.
         self.steps_to_rearrangement = max(1, settings.step_interval // 4)
@@ -224,16 +261,30 @@ class EplbController:
                 self.steps_to_rearrangement,
             )
 
-    def _close_window(self) -> WindowReport:
-        num_layers, num_logical = self.state.num_layers, self.state.num_logical
-        logical = self.window.logical_samples(num_logical, self.settings.time_samples)
-        physical = self.window.physical_total().to("cpu", torch.int64)
-        # One collective for both tensors: pack, reduce, unpack.
-        packed = self.reduce(torch.cat([logical.reshape(-1), physical.reshape(-1)]))
-        logical = packed[: logical.numel()].view(-1, num_layers, num_logical)
-        physical = packed[logical.numel() :].view(num_layers, -1)
+    def _close_window(self) -> WindowReport | None:
         _, committed = self.state.committed_snapshot()
-        load = WindowLoad(self.step, logical, physical, committed)
+        if self.handoff is not None:
+            # Every rank takes this branch at the same step; a busy worker skips on every rank
+            # alike only if busy-ness is agreed, so the worker reports busy until its
+            # rearrangement finished on all ranks (it ends with a collective).
+            if self.is_busy():
+                self.windows_skipped_busy += 1
+                logger.warning(
+                    "EPLB step %d: previous rearrangement still running; window skipped",
+                    self.step,
+                )
+                return None
+            rows, placements = self.window.snapshot(out=self._snapshot_rows)
+            self.handoff(WindowSnapshot(self.step, rows, placements, committed))
+            return None
+        rows, placements = self.window.snapshot()
+        load = reduce_window(
+            WindowSnapshot(self.step, rows, placements, committed),
+            self.reduce,
+            self.state.num_logical,
+            self.settings.time_samples,
+        )
+        physical = load.physical
         balance = balancedness_of_slots(physical, self.state.num_ranks)
         started = time.perf_counter()
         new_phy2log = self.planner(load) if self.planner is not None else None

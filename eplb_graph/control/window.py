@@ -76,31 +76,55 @@ class LoadWindow:
         rows written). Each row is folded with the placement it was recorded under; rows that
         recorded nothing contribute zero.
         """
+        rows, placements = self.snapshot()
+        return fold_to_logical(rows, placements, num_logical, num_samples)
+
+    def snapshot(self, out: torch.Tensor | None = None) -> tuple[torch.Tensor, list]:
+        """The written rows in chronological order and their placements.
+
+        ``out`` (``[W, L, P]`` on the window's device) receives the rows in place when given:
+        the async path hands it to the worker without allocating and without a host sync.
+        Returns ``(rows [r, L, P], placements [r])``.
+        """
         order = self.chronological_rows()
-        num_layers = self.rows.shape[1]
-        buckets = max(1, min(num_samples, len(order)))
-        samples = torch.zeros(buckets, num_layers, num_logical, dtype=torch.int64)
-        if not order:
-            return samples
-        rows_host = self.rows.index_select(0, torch.tensor(order, device=self.rows.device)).to(
-            "cpu", torch.int64
-        )
-        bucket_of_row = (torch.arange(len(order)) * buckets) // len(order)
-        groups: dict[int, tuple[torch.Tensor, list[int]]] = {}
-        for position, row in enumerate(order):
-            placement = self._placements[row]
-            if placement is not None:
-                groups.setdefault(id(placement), (placement, []))[1].append(position)
-        for placement, positions in groups.values():
-            index = torch.tensor(positions)
-            physical = rows_host.index_select(0, index)  # [r, L, P]
-            logical = torch.zeros(len(positions), num_layers, num_logical, dtype=torch.int64)
-            logical.scatter_add_(2, placement.expand_as(physical), physical)
-            samples.index_add_(0, bucket_of_row.index_select(0, index), logical)
-        return samples
+        index = torch.tensor(order, dtype=torch.int64, device=self.rows.device)
+        if out is None:
+            rows = self.rows.index_select(0, index)
+        else:
+            rows = torch.index_select(self.rows, 0, index, out=out[: len(order)])
+        return rows, [self._placements[row] for row in order]
 
     def reset_(self) -> None:
         self.rows.zero_()
         self._placements = [None] * self.window_size
         self.cursor = 0
         self.steps_seen = 0
+
+
+def fold_to_logical(
+    rows: torch.Tensor, placements: list, num_logical: int, num_samples: int
+) -> torch.Tensor:
+    """Fold chronological slot-load rows ``[r, L, P]`` to ``[S, L, N]`` int64 CPU time buckets.
+
+    ``placements[i]`` is the ``phy2log [L, P]`` row ``i`` was recorded under (``None``: nothing
+    recorded). Rows sharing a placement are folded together with one ``scatter_add_``.
+    """
+    count = rows.shape[0]
+    num_layers = rows.shape[1]
+    buckets = max(1, min(num_samples, count))
+    samples = torch.zeros(buckets, num_layers, num_logical, dtype=torch.int64)
+    if count == 0:
+        return samples
+    rows_host = rows.to("cpu", torch.int64)
+    bucket_of_row = (torch.arange(count) * buckets) // count
+    groups: dict[int, tuple[torch.Tensor, list[int]]] = {}
+    for position, placement in enumerate(placements):
+        if placement is not None:
+            groups.setdefault(id(placement), (placement, []))[1].append(position)
+    for placement, positions in groups.values():
+        index = torch.tensor(positions)
+        physical = rows_host.index_select(0, index)  # [r, L, P]
+        logical = torch.zeros(len(positions), num_layers, num_logical, dtype=torch.int64)
+        logical.scatter_add_(2, placement.expand_as(physical), physical)
+        samples.index_add_(0, bucket_of_row.index_select(0, index), logical)
+    return samples

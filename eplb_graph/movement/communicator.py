@@ -1,0 +1,164 @@
+"""Point-to-point exchange of staged expert payloads over a dedicated gloo group.
+
+Why gloo, through CPU memory: the serving group's device communicator (HCCL/NCCL) is busy with
+the forward's all-to-alls and its buffers are sized for them; sharing it risks hangs and memory
+spikes (seen upstream). A separate gloo group moves bytes on the host while serving continues.
+
+Deadlock freedom: every rank derives the same global list of transfers from the (global)
+:class:`~eplb_graph.movement.planner.TransferPlan`, sorted by ``(expert, dst_rank, src_rank)``,
+and cuts it into batches of at most ``max_batch_ops`` transfers. Within a batch each rank posts
+all its receives, then all its sends, then waits for them; a batch's sends are always matched by
+receives of the same batch, so no rank waits for a peer that waits for it. Bounded batches keep
+hundreds of outstanding operations from piling up on one pair.
+
+Failure: a wait that exceeds ``timeout_s`` raises :class:`TransferError`. Gloo closes the pair
+on a timeout, so every peer's next operation on this group fails fast too: the group is treated
+as poisoned and the worker builds a fresh one for the next attempt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from eplb_graph.movement.staging import StagingBlock
+
+
+class TransferError(RuntimeError):
+    """A point-to-point exchange failed or timed out (the rearrangement must abort)."""
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One expert copy crossing ranks: ``src_rank`` sends, ``dst_rank`` receives."""
+
+    expert: int
+    src_rank: int
+    dst_rank: int
+
+
+def global_transfers(plan) -> list[Transfer]:
+    """All cross-rank copies of ``plan`` in the order every rank agrees on."""
+    transfers = [
+        Transfer(send.expert, rank_plan.rank, send.dst_rank)
+        for rank_plan in plan.ranks
+        for send in rank_plan.sends
+    ]
+    return sorted(transfers, key=lambda t: (t.expert, t.dst_rank, t.src_rank))
+
+
+def stage_reads_(view, rank_plan, block: StagingBlock) -> None:
+    """Pack every slot this rank must read (send and local-copy sources) into ``block.reads``.
+
+    Runs before any destination is written (the main thread writes only at commit), so swaps and
+    cycles inside a rank read their old values.
+    """
+    block.read_rows = {}
+    for row, slot in enumerate(rank_plan.staged_reads):
+        view.pack_slot(slot, block.reads[row])
+        block.read_rows[slot] = row
+
+
+class GlooStagedCommunicator:
+    """Exchanges one layer's payloads between this rank's staging block and its peers'.
+
+    Args:
+        group: the dedicated gloo process group (never the serving group).
+        rank: this rank's index in ``group``.
+        max_batch_ops: transfers per batch across the whole group (bounded outstanding ops).
+        timeout_s: per-batch wait limit; exceeding it raises :class:`TransferError`.
+    """
+
+    def __init__(self, group, rank: int, *, max_batch_ops: int = 32, timeout_s: float = 30.0):
+        if max_batch_ops < 1:
+            raise ValueError(f"max_batch_ops must be >= 1, got {max_batch_ops}")
+        self.group = group
+        self.rank = rank
+        self.max_batch_ops = max_batch_ops
+        self.timeout = timedelta(seconds=timeout_s)
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def exchange(self, plan, block: StagingBlock, tag_base: int = 0) -> None:
+        """Send staged sources to peers and receive into ``block.receives`` (row = receive index
+        in ``plan.ranks[rank].receives``)."""
+        rank_plan = plan.ranks[self.rank]
+        receive_row = {(r.src_rank, r.expert): row for row, r in enumerate(rank_plan.receives)}
+        send_slot = {(s.dst_rank, s.expert): s.src_slot for s in rank_plan.sends}
+        transfers = global_transfers(plan)
+        for start in range(0, len(transfers), self.max_batch_ops):
+            batch = transfers[start : start + self.max_batch_ops]
+            works = []
+            try:
+                for index, transfer in enumerate(batch, start):
+                    if transfer.dst_rank == self.rank:
+                        row = receive_row[(transfer.src_rank, transfer.expert)]
+                        works.append(
+                            dist.irecv(
+                                block.receives[row],
+                                src=transfer.src_rank,
+                                group=self.group,
+                                tag=tag_base + index,
+                            )
+                        )
+                        self.bytes_received += block.receives[row].numel()
+                for index, transfer in enumerate(batch, start):
+                    if transfer.src_rank == self.rank:
+                        slot = send_slot[(transfer.dst_rank, transfer.expert)]
+                        payload = block.reads[block.read_rows[slot]]
+                        works.append(
+                            dist.isend(
+                                payload,
+                                dst=transfer.dst_rank,
+                                group=self.group,
+                                tag=tag_base + index,
+                            )
+                        )
+                        self.bytes_sent += payload.numel()
+                for work in works:
+                    work.wait(self.timeout)
+            except Exception as error:
+                raise TransferError(
+                    f"rank {self.rank}: exchange batch {start // self.max_batch_ops} failed: "
+                    f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+                ) from error
+
+
+def install_layer_(view, rank_plan, block: StagingBlock) -> int:
+    """Main thread, at commit: write received and locally copied payloads into the live storage.
+
+    Returns the number of slots written. Unchanged slots are never touched.
+    """
+    written = 0
+    for row, receive in enumerate(rank_plan.receives):
+        for slot in receive.dst_slots:
+            view.unpack_slot_(slot, block.receives[row])
+            written += 1
+    for copy in rank_plan.local_copies:
+        source = block.reads[block.read_rows[copy.src_slot]]
+        for slot in copy.dst_slots:
+            view.unpack_slot_(slot, source)
+            written += 1
+    return written
+
+
+def exchange_sync_on_group(plan, view, rank: int, group, scratch: torch.Tensor) -> int:
+    """The synchronous comparison path: stage, exchange and install one layer on the calling
+    thread through ``group`` (the device group in production; serving stalls meanwhile).
+
+    ``scratch``: uint8 ``[2 * slots_per_rank, slot_nbytes]`` on the group's device.
+    Returns bytes received.
+    """
+    rank_plan = plan.ranks[rank]
+    slots = scratch.shape[0] // 2
+    block = StagingBlock.__new__(StagingBlock)
+    block.reads, block.receives = scratch[:slots], scratch[slots:]
+    block.read_rows = {}
+    stage_reads_(view, rank_plan, block)
+    communicator = GlooStagedCommunicator(group, rank, max_batch_ops=1 << 30)
+    communicator.exchange(plan, block)
+    install_layer_(view, rank_plan, block)
+    return communicator.bytes_received

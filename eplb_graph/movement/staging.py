@@ -1,0 +1,115 @@
+"""Staging memory for weight movement: allocated once, handed between threads by ownership.
+
+A :class:`StagingBlock` holds one layer's traffic on this rank: the packed payloads of every
+local slot that must be read before anything is written (sources of sends and local copies), and
+the payloads received from peers. Blocks are sized once, at start-up, for the worst case of one
+layer (``slots_per_rank`` reads and ``slots_per_rank`` receives), so rearrangements never
+allocate and the memory bound is known up front.
+
+Ownership is explicit (invariant 6): the worker acquires a FREE block, fills it (STAGING),
+publishes it (PUBLISHED); only the main thread's commit scheduler, after it has installed the
+weights and refreshed the lookup, releases it back to FREE. The worker can therefore never
+overwrite memory the main thread has not consumed yet.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+
+import torch
+
+
+class BlockState(enum.Enum):
+    FREE = "free"
+    STAGING = "staging"
+    PUBLISHED = "published"
+
+
+class StagingOwnershipError(RuntimeError):
+    """A block was used out of order (a bug: would break invariant 6)."""
+
+
+class StagingBlock:
+    """One layer's staging buffers (CPU, pinned when a CUDA device exists)."""
+
+    def __init__(self, index: int, slots: int, slot_nbytes: int, pin: bool) -> None:
+        self.index = index
+        self.reads = torch.empty(slots, slot_nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.receives = torch.empty(slots, slot_nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.state = BlockState.FREE
+        self.layer: int | None = None
+        self.read_rows: dict[int, int] = {}  # local slot -> row of ``reads``
+
+    @property
+    def nbytes(self) -> int:
+        return self.reads.numel() + self.receives.numel()
+
+
+class StagingPool:
+    """A fixed set of :class:`StagingBlock` passed from the worker to the main thread and back.
+
+    Args:
+        num_blocks: layers that may be staged ahead of their commit (>= layers committed per
+            step; one more lets the worker stage the next layer while the main thread commits).
+        slots_per_rank: local slots of one layer (worst-case reads and receives).
+        slot_nbytes: packed payload size of one expert (all coupled tensors).
+        pin: pin the buffers (only meaningful with a CUDA/NPU device to copy to).
+    """
+
+    def __init__(
+        self, num_blocks: int, slots_per_rank: int, slot_nbytes: int, *, pin: bool | None = None
+    ) -> None:
+        if num_blocks < 1 or slots_per_rank < 1 or slot_nbytes < 1:
+            raise ValueError(
+                "staging needs num_blocks, slots_per_rank and slot_nbytes >= 1, got "
+                f"{num_blocks}, {slots_per_rank}, {slot_nbytes}"
+            )
+        if pin is None:
+            pin = torch.cuda.is_available()
+        self.blocks = [StagingBlock(i, slots_per_rank, slot_nbytes, pin) for i in range(num_blocks)]
+        self._condition = threading.Condition()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(block.nbytes for block in self.blocks)
+
+    def acquire(self, layer: int, timeout: float | None = None) -> StagingBlock | None:
+        """Worker: take a FREE block for ``layer``; waits for the main thread to release one.
+
+        Returns ``None`` on timeout (the caller decides whether that aborts the rearrangement).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._condition:
+            while True:
+                for block in self.blocks:
+                    if block.state is BlockState.FREE:
+                        block.state = BlockState.STAGING
+                        block.layer = layer
+                        block.read_rows = {}
+                        return block
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return None
+                self._condition.wait(remaining)
+
+    def publish(self, block: StagingBlock) -> None:
+        """Worker: the block's data is complete; from now on only the main thread touches it."""
+        with self._condition:
+            if block.state is not BlockState.STAGING:
+                raise StagingOwnershipError(f"publish of block {block.index} in {block.state}")
+            block.state = BlockState.PUBLISHED
+
+    def release(self, block: StagingBlock) -> None:
+        """Main thread (after commit + lookup refresh), or the worker on abort of its own block."""
+        with self._condition:
+            if block.state is BlockState.FREE:
+                raise StagingOwnershipError(f"double release of block {block.index}")
+            block.state = BlockState.FREE
+            block.layer = None
+            self._condition.notify_all()
+
+    def states(self) -> list[BlockState]:
+        with self._condition:
+            return [block.state for block in self.blocks]

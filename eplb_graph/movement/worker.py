@@ -1,0 +1,379 @@
+"""The asynchronous movement worker: one thread per rank, off the serving path.
+
+For each rearrangement (started by a window close in async mode, or by an explicit plan):
+
+1. build a fresh gloo group (a previous failure may have poisoned the last one);
+2. with a window: fold it to logical experts, all-reduce it, run the planner (the policy);
+   every rank computes the same plan from the same reduced load;
+3. layer by layer, in chunks of ``layers_per_step``: plan the transfer (pure data, identical on
+   every rank), acquire a staging block, pack the sources, exchange with peers, prepare the
+   layer's lookup tables;
+4. agree with the peers on (a) whether every rank staged the chunk and (b) the commit step, in
+   one all-reduce, behind the clock's fence; publish the chunk for the main thread;
+5. finally agree on a finish step so every rank's main thread sees the rearrangement end at the
+   same step (the next window is only accepted after it).
+
+Any error on any rank — policy, staging, exchange, timeout, a peer that stopped responding —
+makes that rank vote "abort" in the next agreement (or makes the agreement itself fail, which
+every rank sees as abort). Layers already agreed stay committed; the rest stay old on every rank:
+each layer is entirely old or entirely new. Serving never waits for any of this except at a
+raised fence, which is bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from eplb_graph.control.controller import WindowSnapshot, reduce_window
+from eplb_graph.movement.clock import StepClock
+from eplb_graph.movement.communicator import GlooStagedCommunicator, stage_reads_
+from eplb_graph.movement.planner import plan_transfer
+from eplb_graph.movement.staging import StagingBlock, StagingPool
+from eplb_graph.state import EplbState
+
+logger = logging.getLogger(__name__)
+
+GroupFactory = Callable[[], object]
+FaultHook = Callable[[str, int], None]
+"""Test hook called at named points ("plan", "stage", "exchange", "agree") with the layer (-1
+when not per layer); it may raise or sleep to inject a fault."""
+
+
+@dataclass(frozen=True)
+class MovementSettings:
+    layers_per_step: int = 1  # layers committed together at one agreed step
+    commit_margin_steps: int = 4  # fence distance: steps the agreement may take
+    exchange_timeout_s: float = 30.0
+    agree_timeout_s: float = 30.0
+    max_batch_ops: int = 32
+    staging_blocks: int | None = None  # default: 2 x layers_per_step (stage ahead of commit)
+    time_samples: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("layers_per_step", "commit_margin_steps", "max_batch_ops", "time_samples"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.exchange_timeout_s <= 0 or self.agree_timeout_s <= 0:
+            raise ValueError("timeouts must be positive")
+
+    @property
+    def num_staging_blocks(self) -> int:
+        return self.staging_blocks or 2 * self.layers_per_step
+
+
+@dataclass
+class PublishedLayer:
+    """A staged layer and the step at which every rank installs it (main thread)."""
+
+    generation: int
+    layer: int
+    commit_step: int
+    rank_plan: object
+    block: StagingBlock
+    prepared: tuple  # EplbState.prepare_layer output
+    bytes_received: int
+
+
+@dataclass
+class RearrangementFinished:
+    """End marker: the main thread clears 'busy' at ``commit_step`` (same on every rank)."""
+
+    generation: int
+    commit_step: int  # -1: agreement impossible; clear at once (liveness only, never safety)
+    ok: bool
+    error: str | None
+
+
+@dataclass
+class WorkerStats:
+    rearrangements_started: int = 0
+    rearrangements_completed: int = 0
+    rearrangements_aborted: int = 0
+    rearrangements_noop: int = 0
+    layers_published: int = 0
+    bytes_received: int = 0
+    policy_seconds: float = 0.0
+    last_error: str | None = None
+    errors: list[str] = field(default_factory=list)
+
+
+class MovementWorker:
+    """Runs policy and weight movement for one rank on a background thread.
+
+    Args:
+        state: this rank's EPLB state (read-only here: only ``prepare_layer`` and metadata).
+        views: the layer's ``ExpertWeightView`` for every MoE layer, in layer order.
+        clock: the main thread's step clock.
+        pool: staging blocks (sized once).
+        group_factory: builds a fresh gloo group over all EP ranks (called once per attempt by
+            every rank's worker, in the same order).
+        rank: this rank's index in those groups.
+        planner: ``WindowLoad -> phy2log | None`` (async mode); unused for explicit plans.
+        settings: chunking, margins, timeouts.
+        fault_hook: test-only fault injection.
+    """
+
+    def __init__(
+        self,
+        state: EplbState,
+        views: Sequence,
+        clock: StepClock,
+        pool: StagingPool,
+        group_factory: GroupFactory,
+        rank: int,
+        *,
+        planner: Callable | None = None,
+        settings: MovementSettings | None = None,
+        fault_hook: FaultHook | None = None,
+    ) -> None:
+        if len(views) != state.num_layers:
+            raise ValueError(
+                f"need one weight view per layer: {state.num_layers}, got {len(views)}"
+            )
+        self.state = state
+        self.views = list(views)
+        self.clock = clock
+        self.pool = pool
+        self.group_factory = group_factory
+        self.rank = rank
+        self.planner = planner
+        self.settings = settings or MovementSettings()
+        self.fault_hook = fault_hook or (lambda point, layer: None)
+        self.stats = WorkerStats()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._generation = 0
+        self._thread = threading.Thread(target=self._run, name=f"eplb-movement-{rank}", daemon=True)
+        self._thread.start()
+
+    # -- main thread API -----------------------------------------------------------------------
+    def submit_window(self, snapshot: WindowSnapshot) -> None:
+        self._inbox.put(("window", snapshot))
+
+    def submit_plan(self, old_phy2log: torch.Tensor, new_phy2log: torch.Tensor) -> None:
+        self._inbox.put(("plan", (old_phy2log.clone(), new_phy2log.clone())))
+
+    def poll(self) -> list:
+        """Everything published since the last poll (PublishedLayer / RearrangementFinished)."""
+        items = []
+        while True:
+            try:
+                items.append(self._outbox.get_nowait())
+            except queue.Empty:
+                return items
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._inbox.put(("stop", None))
+        self._thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # -- worker thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            kind, payload = self._inbox.get()
+            if kind == "stop":
+                return
+            self._generation += 1
+            self.stats.rearrangements_started += 1
+            try:
+                self._rearrange(kind, payload)
+            except Exception:  # never let the thread die: report and wait for the next window
+                error = traceback.format_exc(limit=3)
+                logger.error("EPLB movement worker crashed unexpectedly:\n%s", error)
+                self.stats.last_error = error
+                self._finish(None, ok=False, error=error)
+
+    def _agree(self, group, proposal: int, ok: bool) -> tuple[int, bool]:
+        """One all-reduce: MAX of proposed steps and of abort votes."""
+        vote = torch.tensor([proposal, 0 if ok else 1], dtype=torch.int64)
+        work = dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        work.wait(timedelta_s(self.settings.agree_timeout_s))
+        return int(vote[0]), int(vote[1]) == 0
+
+    def _rearrange(self, kind: str, payload) -> None:
+        group = None
+        error: str | None = None
+        try:
+            group = self.group_factory()
+            if kind == "window":
+                old, new = self._plan_from_window(group, payload)
+            else:
+                old, new = payload
+        except Exception as failure:
+            old = new = None
+            error = f"planning failed: {type(failure).__name__}: {failure}"
+        # Every rank votes on the plan before any data moves: a policy failure on one rank
+        # aborts everywhere without anyone blocking in an exchange.
+        ok = error is None
+        try:
+            _, all_ok = self._agree(group, 0, ok) if group is not None else (0, False)
+        except Exception as failure:
+            all_ok = False
+            error = error or f"plan agreement failed: {failure}"
+        if not all_ok:
+            self._abort(group, error or "a peer failed to plan")
+            return
+        changed = [layer for layer in range(len(new)) if not torch.equal(old[layer], new[layer])]
+        if not changed:
+            self.stats.rearrangements_noop += 1
+            self._finish(group, ok=True, error=None)
+            return
+        communicator = GlooStagedCommunicator(
+            group,
+            self.rank,
+            max_batch_ops=self.settings.max_batch_ops,
+            timeout_s=self.settings.exchange_timeout_s,
+        )
+        chunk_size = self.settings.layers_per_step
+        for start in range(0, len(changed), chunk_size):
+            chunk = changed[start : start + chunk_size]
+            staged: list[PublishedLayer] = []
+            error = None
+            try:
+                for layer in chunk:
+                    staged.append(self._stage_layer(communicator, layer, old[layer], new[layer]))
+            except Exception as failure:
+                error = f"layer {chunk}: {type(failure).__name__}: {failure}"
+            fence = self.clock.raise_fence(self.settings.commit_margin_steps)
+            try:
+                self.fault_hook("agree", chunk[0])
+                commit_step, all_ok = self._agree(group, fence, error is None)
+            except Exception as failure:
+                all_ok = False
+                error = error or f"commit agreement failed: {type(failure).__name__}: {failure}"
+            if not all_ok:
+                for item in staged:
+                    self.pool.release(item.block)
+                self.clock.lower_fence()
+                self._abort(group, error or "a peer failed to stage")
+                return
+            for item in staged:
+                item.commit_step = commit_step
+                self.pool.publish(item.block)
+                self._outbox.put(item)
+                self.stats.layers_published += 1
+                self.stats.bytes_received += item.bytes_received
+            self.clock.lower_fence()
+        self.stats.rearrangements_completed += 1
+        self._finish(group, ok=True, error=None)
+
+    def _plan_from_window(self, group, snapshot: WindowSnapshot):
+        self.fault_hook("plan", -1)
+
+        def reduce(tensor: torch.Tensor) -> torch.Tensor:
+            work = dist.all_reduce(tensor, group=group, async_op=True)
+            work.wait(timedelta_s(self.settings.agree_timeout_s))
+            return tensor
+
+        load = reduce_window(snapshot, reduce, self.state.num_logical, self.settings.time_samples)
+        started = time.perf_counter()
+        new = self.planner(load) if self.planner is not None else None
+        self.stats.policy_seconds += time.perf_counter() - started
+        old = snapshot.committed
+        return old, (old if new is None else new)
+
+    def _stage_layer(self, communicator, layer: int, old_row, new_row) -> PublishedLayer:
+        plan = plan_transfer(old_row, new_row, self.state.num_ranks)
+        rank_plan = plan.ranks[self.rank]
+        prepared = self.state.prepare_layer(layer, new_row)
+        block = self.pool.acquire(layer, timeout=self.settings.exchange_timeout_s)
+        if block is None:
+            raise TimeoutError("no staging block was released by the main thread in time")
+        try:
+            self.fault_hook("stage", layer)
+            stage_reads_(self.views[layer], rank_plan, block)
+            self.fault_hook("exchange", layer)
+            received = communicator.bytes_received
+            communicator.exchange(plan, block, tag_base=layer * 1_000_003 % (1 << 30))
+            received = communicator.bytes_received - received
+        except BaseException:
+            self.pool.release(block)
+            raise
+        return PublishedLayer(self._generation, layer, -1, rank_plan, block, prepared, received)
+
+    def _abort(self, group, error: str) -> None:
+        self.stats.rearrangements_aborted += 1
+        self.stats.last_error = error
+        self.stats.errors.append(error)
+        logger.error(
+            "EPLB rearrangement %d aborted on rank %d: %s", self._generation, self.rank, error
+        )
+        self._finish(self._fresh_group_or_none(), ok=False, error=error)
+
+    def _fresh_group_or_none(self):
+        """After an abort the group may be poisoned (gloo closes pairs on a timeout)."""
+        try:
+            poison = getattr(self.group_factory, "poison", None)
+            if poison is not None:
+                poison()
+            return self.group_factory()
+        except Exception as failure:
+            logger.error("EPLB: no usable movement group after an abort: %s", failure)
+            return None
+
+    def _finish(self, group, *, ok: bool, error: str | None) -> None:
+        """Agree on the step at which every main thread sees this rearrangement end."""
+        commit_step = -1
+        if group is not None:
+            fence = self.clock.raise_fence(self.settings.commit_margin_steps)
+            try:
+                commit_step, _ = self._agree(group, fence, True)
+            except Exception as failure:
+                logger.error("EPLB: finish agreement failed (%s); releasing locally", failure)
+                commit_step = -1
+            finally:
+                self._outbox.put(RearrangementFinished(self._generation, commit_step, ok, error))
+                self.clock.lower_fence()
+            return
+        self._outbox.put(RearrangementFinished(self._generation, commit_step, ok, error))
+
+
+def timedelta_s(seconds: float) -> timedelta:
+    return timedelta(seconds=seconds)
+
+
+class GroupRing:
+    """Gloo groups created up front, on the main thread, collectively on every rank.
+
+    The worker uses the current group until an abort poisons it (gloo closes connections on a
+    timeout), then moves to the next. Creating groups from the worker thread instead would race
+    with the main thread's use of torch.distributed's global registry. When the ring is
+    exhausted EPLB movement stops, loudly (``GroupsExhausted``), instead of stalling silently.
+    """
+
+    def __init__(self, size: int = 4, *, timeout_s: float = 60.0, ranks=None) -> None:
+        if size < 1:
+            raise ValueError(f"group ring size must be >= 1, got {size}")
+        self._groups = [
+            dist.new_group(ranks=ranks, backend="gloo", timeout=timedelta_s(timeout_s))
+            for _ in range(size)
+        ]
+        self._index = 0
+
+    def __call__(self):
+        if self._index >= len(self._groups):
+            raise GroupsExhausted(
+                f"all {len(self._groups)} EPLB movement groups were poisoned by failures; "
+                "movement is disabled until restart"
+            )
+        return self._groups[self._index]
+
+    def poison(self) -> None:
+        self._index += 1
+
+
+class GroupsExhausted(RuntimeError):
+    """Every pre-created movement group was poisoned by an abort."""

@@ -1,0 +1,189 @@
+"""``EplbRuntime``: what a model runner calls around every forward.
+
+It wires the control plane (window, phases, policy), the movement worker and the commit
+scheduler to one rank's :class:`~eplb_graph.state.EplbState` and weight views::
+
+    runtime.begin_step(has_prefill=..., num_valid_tokens=...)   # commits due layers
+    replay the compiled / captured forward
+    runtime.end_step()                                          # folds load, may hand off
+
+On ordinary steps both calls are a few in-place tensor writes and a queue poll: no collective
+and no host sync on the main thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+
+from eplb_graph.control import ControlSettings, EplbController, process_group_reducer
+from eplb_graph.control.planning import PolicyPlanner
+from eplb_graph.movement.clock import StepClock
+from eplb_graph.movement.scheduler import CommitScheduler
+from eplb_graph.movement.staging import StagingPool
+from eplb_graph.movement.sync import rearrange_sync_
+from eplb_graph.movement.worker import MovementSettings, MovementWorker
+from eplb_graph.state import EplbState
+
+logger = logging.getLogger(__name__)
+
+
+class EplbRuntime:
+    """One rank's EPLB runtime.
+
+    Args:
+        state: the rank's EPLB state (read by the compiled forward).
+        views: live weight views, one per MoE layer.
+        control: window / interval / phase / policy settings.
+        groups: gloo group provider for the EPLB traffic (``GroupRing``); never the serving group.
+        rank: this rank's index in the EP group.
+        use_async: plan and move on the worker thread (default) or synchronously at the close.
+        movement: worker settings (layers per step, margins, timeouts).
+        planner: overrides the policy planner built from ``control``.
+        fault_hook: test-only fault injection passed to the worker.
+    """
+
+    def __init__(
+        self,
+        state: EplbState,
+        views: Sequence,
+        control: ControlSettings,
+        groups: Callable[[], object],
+        rank: int,
+        *,
+        use_async: bool = True,
+        movement: MovementSettings | None = None,
+        planner: Callable | None = None,
+        fault_hook: Callable | None = None,
+    ) -> None:
+        if len(views) != state.num_layers:
+            raise ValueError(
+                f"need one weight view per layer ({state.num_layers}), got {len(views)}"
+            )
+        self.state = state
+        self.views = list(views)
+        self.rank = rank
+        self.use_async = use_async
+        self.movement = movement or MovementSettings(time_samples=control.time_samples)
+        self.planner = planner or PolicyPlanner(
+            control.policy,
+            state.num_slots,
+            control.num_groups,
+            control.num_nodes,
+            state.num_ranks,
+            dict(control.policy_options),
+        )
+        slot_nbytes = max(view.slot_nbytes for view in self.views)
+        self.pool = StagingPool(
+            self.movement.num_staging_blocks, state.num_slots // state.num_ranks, slot_nbytes
+        )
+        self.groups = groups
+        self.clock = StepClock()
+        self.sync_layers_committed = 0
+        if use_async:
+            self.worker = MovementWorker(
+                state,
+                self.views,
+                self.clock,
+                self.pool,
+                groups,
+                rank,
+                planner=self.planner,
+                settings=self.movement,
+                fault_hook=fault_hook,
+            )
+            self.scheduler = CommitScheduler(state, self.views, self.worker, self.pool, self.clock)
+            self.controller = EplbController(
+                state, control, handoff=self._handoff, is_busy=lambda: self.scheduler.busy
+            )
+        else:
+            self.worker = None
+            self.scheduler = None
+            self.controller = EplbController(
+                state,
+                control,
+                reduce=process_group_reducer(groups()),
+                planner=self.planner,
+                on_plan=self._rearrange_sync,
+            )
+
+    # -- per step ------------------------------------------------------------------------------
+    def begin_step(self, *, has_prefill: bool, num_valid_tokens: int) -> list[int]:
+        committed = self.scheduler.begin_step() if self.scheduler is not None else []
+        self.controller.begin_step(has_prefill=has_prefill, num_valid_tokens=num_valid_tokens)
+        return committed
+
+    def end_step(self) -> None:
+        self.controller.end_step()
+        if self.scheduler is not None:
+            self.scheduler.end_step()
+        else:
+            self.clock.advance()
+
+    # -- explicit rearrangement (all ranks, same step) ---------------------------------------
+    def rearrange_to(self, new_phy2log: torch.Tensor) -> bool:
+        """Start moving to ``new_phy2log [L, P]``; False if a rearrangement is in flight."""
+        _, committed = self.state.committed_snapshot()
+        if not self.use_async:
+            self._move_sync(new_phy2log)
+            return True
+        if self.scheduler.busy:
+            return False
+        self.scheduler.mark_busy()
+        self.worker.submit_plan(committed, new_phy2log)
+        return True
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.scheduler is not None and self.scheduler.busy)
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.stop()
+
+    # -- internals -------------------------------------------------------------------------------
+    def _handoff(self, snapshot) -> bool:
+        self.scheduler.mark_busy()
+        self.worker.submit_window(snapshot)
+        return True
+
+    def _rearrange_sync(self, report) -> None:
+        self._move_sync(report.new_phy2log)
+
+    def _move_sync(self, new_phy2log: torch.Tensor) -> None:
+        committed = rearrange_sync_(
+            self.state,
+            self.views,
+            new_phy2log,
+            self.groups(),
+            self.rank,
+            self.pool,
+            timeout_s=self.movement.exchange_timeout_s,
+            max_batch_ops=self.movement.max_batch_ops,
+        )
+        self.sync_layers_committed += len(committed)
+
+    def metrics(self) -> dict:
+        """Structured snapshot for monitoring."""
+        data = {"control": self.controller.snapshot(), "async": self.use_async}
+        if self.worker is not None:
+            w, s = self.worker.stats, self.scheduler.stats
+            data["movement"] = {
+                "rearrangements_started": w.rearrangements_started,
+                "rearrangements_completed": w.rearrangements_completed,
+                "rearrangements_aborted": w.rearrangements_aborted,
+                "layers_published": w.layers_published,
+                "layers_committed": s.layers_committed,
+                "bytes_received": w.bytes_received,
+                "late_items": s.late_items,
+                "fence_waits": self.clock.fence_waits,
+                "fence_timeouts": s.fence_timeouts,
+                "windows_skipped_busy": self.controller.windows_skipped_busy,
+                "last_error": w.last_error,
+                "worker_alive": self.worker.alive,
+            }
+        else:
+            data["movement"] = {"layers_committed": self.sync_layers_committed}
+        return data
