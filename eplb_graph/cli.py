@@ -90,6 +90,37 @@ def _map_validate(args: argparse.Namespace) -> int:
     return status
 
 
+def _audit(args: argparse.Namespace) -> int:
+    """Audit a target for graph safety: 0 clean, 1 findings, 2 usage or import error.
+
+    Findings (exit 1) and a target that cannot be loaded or run (exit 2) are kept apart so CI can
+    tell "the model is not graph-safe" from "the audit could not run".
+    """
+    from eplb_graph.audit import TargetError, TargetRaised, load_target, run_audit
+
+    try:
+        target = load_target(args.target)
+        report = run_audit(target.fn, target.example_args, target.eplb_state, target=target.spec)
+    except (TargetError, TargetRaised) as error:
+        sys.stderr.write(f"eplb-graph audit: {error}\n")
+        return 2
+    except Exception as error:  # an audit that could not finish is not a finding (exit 1)
+        logger.info("the audit failed", exc_info=True)
+        sys.stderr.write(
+            f"eplb-graph audit: the audit itself failed ({type(error).__name__}: {error}); "
+            "rerun with -v for the traceback\n"
+        )
+        return 2
+    sys.stdout.write(report.render_text())
+    if args.json:
+        try:
+            Path(args.json).write_text(report.to_json())
+        except OSError as error:
+            sys.stderr.write(f"eplb-graph audit: cannot write --json {args.json}: {error}\n")
+            return 2
+    return 0 if report.clean else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="eplb-graph",
@@ -122,6 +153,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     validate.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     validate.set_defaults(handler=_map_validate)
+
+    from eplb_graph.audit.target import DEFAULT_TARGET
+
+    audit = commands.add_parser(
+        "audit",
+        help="audit a model for graph breaks, host syncs, recompiles and unstable EPLB state; "
+        "exit 0 clean, 1 findings, 2 usage or import error",
+        description="Audit TARGET for graph safety: graph breaks (explain and fullgraph), host "
+        "syncs and dynamic shapes in the ATen graph and in custom-op bodies, recompiles after an "
+        "in-place commit and step toggles, EPLB tensors that are not static inputs or move, and "
+        "routing state read from Python values. Exit status: 0 clean, 1 findings, 2 usage or "
+        "import error.",
+    )
+    audit.add_argument(
+        "target",
+        nargs="?",
+        default=DEFAULT_TARGET,
+        metavar="TARGET",
+        help="'module:callable' returning (fn, example_args, eplb_state); eplb_state may be None "
+        f"(default: {DEFAULT_TARGET}, the project's TinyMoE)",
+    )
+    audit.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    audit.set_defaults(handler=_audit)
 
     from eplb_graph.simulate.command import add_parser as add_simulate_parser
 

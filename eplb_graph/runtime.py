@@ -95,9 +95,7 @@ class EplbRuntime:
                 fault_hook=fault_hook,
             )
             self.scheduler = CommitScheduler(state, self.views, self.worker, self.pool, self.clock)
-            self.controller = EplbController(
-                state, control, handoff=self._handoff, is_busy=lambda: self.scheduler.busy
-            )
+            self.controller = EplbController(state, control, handoff=self._handoff)
         else:
             self.worker = None
             self.scheduler = None
@@ -124,15 +122,16 @@ class EplbRuntime:
 
     # -- explicit rearrangement (all ranks, same step) ---------------------------------------
     def rearrange_to(self, new_phy2log: torch.Tensor) -> bool:
-        """Start moving to ``new_phy2log [L, P]``; False if a rearrangement is in flight."""
-        _, committed = self.state.committed_snapshot()
+        """Move to ``new_phy2log [L, P]`` (every rank must call this at the same step).
+
+        Async: queued behind any job in flight (the worker plans against the placement
+        committed when it starts) and committed layer by layer at agreed steps. Sync: now.
+        """
         if not self.use_async:
             self._move_sync(new_phy2log)
             return True
-        if self.scheduler.busy:
-            return False
         self.scheduler.mark_busy()
-        self.worker.submit_plan(committed, new_phy2log)
+        self.worker.submit_plan(new_phy2log)
         return True
 
     @property
@@ -144,10 +143,9 @@ class EplbRuntime:
             self.worker.stop()
 
     # -- internals -------------------------------------------------------------------------------
-    def _handoff(self, snapshot) -> bool:
+    def _handoff(self, snapshot) -> None:
         self.scheduler.mark_busy()
         self.worker.submit_window(snapshot)
-        return True
 
     def _rearrange_sync(self, report) -> None:
         self._move_sync(report.new_phy2log)
@@ -180,7 +178,7 @@ class EplbRuntime:
                 "late_items": s.late_items,
                 "fence_waits": self.clock.fence_waits,
                 "fence_timeouts": s.fence_timeouts,
-                "windows_skipped_busy": self.controller.windows_skipped_busy,
+                "vetoes": self.clock.vetoes,
                 "last_error": w.last_error,
                 "worker_alive": self.worker.alive,
             }

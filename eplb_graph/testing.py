@@ -9,16 +9,24 @@ uses it for the tiny MoE. Graph modes:
 - ``"cuda_graph"`` — a raw ``torch.cuda.CUDAGraph`` capture;
 - ``"npu_graph"`` — a raw ``torch.npu.NPUGraph`` capture (torch_npu).
 
+- ``"auto"`` — what the machine and the state's device have: CUDA graphs for a CUDA state,
+  NPU graphs for an NPU state, else ``compile:inductor``.
+
 Every check compares the graph against an eager run of the same callable on the same state:
 outputs equal (within ``atol``), load deltas equal exactly, and the EPLB tensors' ``data_ptr``
 unchanged.
+
+:func:`assert_graph_safe` runs the static audit (``eplb_graph.audit``) and fails with every
+finding listed; the pytest plugin (``eplb_graph.pytest_plugin``, auto-loaded through the
+``pytest11`` entry point) wraps both as fixtures. ``docs/testing.md`` has a worked example.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -27,10 +35,58 @@ from eplb_graph.placement import Placement
 from eplb_graph.state import EplbState
 
 DEVICE_GRAPH_MODES = ("cuda_graph", "npu_graph")
+#: Every mode the kit knows, whether or not this machine can run it (for parametrizing).
+ALL_GRAPH_MODES = ("compile:eager", "compile:aot_eager", "compile:inductor", *DEVICE_GRAPH_MODES)
 
 
 class GraphRegressionError(AssertionError):
     """A graph recompiled, re-captured, moved an EPLB tensor, or disagreed with eager."""
+
+
+class GraphSafetyError(AssertionError):
+    """The audit found graph-safety defects; the message is the full findings table."""
+
+    def __init__(self, message: str, report) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+def assert_graph_safe(
+    fn: Callable,
+    example_args: Sequence,
+    eplb_state: EplbState | None = None,
+    *,
+    ignore_kinds: Collection[str] = (),
+    checks: Sequence[str] | None = None,
+    root: str | os.PathLike | None = None,
+):
+    """Audit ``fn(*example_args)`` and raise :class:`GraphSafetyError` listing every finding.
+
+    Args:
+        fn: the routed callable or module.
+        example_args: arguments of one representative call.
+        eplb_state: the EPLB state ``fn`` reads; ``None`` skips the commit/toggle checks.
+        ignore_kinds: finding kinds to tolerate (e.g. ``{"graph_break"}`` while a known break
+            is being fixed); they still appear in the returned report.
+        checks: subset of ``eplb_graph.audit.CHECKS`` to run (default: all).
+        root: paths in the message are shown relative to it (default: the working directory).
+
+    Returns:
+        The :class:`~eplb_graph.audit.AuditReport` when no unignored finding remains.
+    """
+    from eplb_graph.audit import KINDS, run_audit
+
+    unknown = sorted(set(ignore_kinds) - set(KINDS))
+    if unknown:
+        raise ValueError(f"unknown finding kinds {unknown}; expected some of {list(KINDS)}")
+    report = run_audit(fn, example_args, eplb_state, checks=checks)
+    failing = [finding for finding in report.findings if finding.kind not in ignore_kinds]
+    if failing:
+        text = report.render_text(root)
+        raise GraphSafetyError(
+            f"{len(failing)} graph-safety finding(s) in {report.target}:\n{text}", report
+        )
+    return report
 
 
 @dataclass(frozen=True)
@@ -54,7 +110,7 @@ class ReplayReport:
 
 def graph_mode_skip_reason(mode: str) -> str | None:
     """``None`` when ``mode`` can run on this machine, else a human-readable reason."""
-    if mode.startswith("compile:"):
+    if mode == "auto" or mode.startswith("compile:"):
         return None
     if mode == "cuda_graph":
         if not torch.cuda.is_available():
@@ -70,7 +126,39 @@ def graph_mode_skip_reason(mode: str) -> str | None:
         if not torch.npu.is_available():  # type: ignore[attr-defined]
             return "torch_npu imports but no NPU device is available"
         return None
-    raise ValueError(f"unknown graph mode {mode!r}; use compile:<backend>, cuda_graph, npu_graph")
+    raise ValueError(
+        f"unknown graph mode {mode!r}; use auto, compile:<backend>, cuda_graph, npu_graph"
+    )
+
+
+def graph_mode_device(mode: str) -> str:
+    """The device (a string, ``torch.device``-compatible) to build the model and state on.
+
+    Device graphs capture their own device (``"cuda"``/``"npu"``; a string because ``"npu"``
+    only parses once torch_npu is imported); compile modes run on CUDA where present, else CPU.
+    """
+    if mode == "cuda_graph":
+        return "cuda"
+    if mode == "npu_graph":
+        return "npu"
+    graph_mode_skip_reason(mode)  # ValueError for unknown modes
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_graph_mode(mode: str, state: EplbState) -> str:
+    """Turn ``"auto"`` into the mode the state's device supports here; other modes unchanged.
+
+    A device graph captures the device the tensors live on, so the choice follows the state:
+    a CUDA state with CUDA present gets ``cuda_graph``, an NPU state with torch_npu gets
+    ``npu_graph``, anything else ``compile:inductor``.
+    """
+    if mode != "auto":
+        return mode
+    device_type = str(state.device).split(":", 1)[0]  # "npu" is no torch.device without torch_npu
+    device_mode = {"cuda": "cuda_graph", "npu": "npu_graph"}.get(device_type)
+    if device_mode is not None and graph_mode_skip_reason(device_mode) is None:
+        return device_mode
+    return "compile:inductor"
 
 
 def available_graph_modes() -> list[str]:
@@ -101,7 +189,8 @@ def _compare(label: str, got, expected, atol: float) -> float:
                 f"{tuple(b.shape)}/{b.dtype}"
             )
         if a.is_floating_point():
-            diff = float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
+            delta = (a.detach().float() - b.detach().float()).abs()
+            diff = float(delta.max()) if a.numel() else 0.0
             if diff > atol:
                 raise GraphRegressionError(f"{label}: output {index} differs by {diff} > {atol}")
             worst = max(worst, diff)
@@ -143,9 +232,9 @@ def capture_commit_replay(
     fn: Callable,
     example_args: Sequence,
     state: EplbState,
-    placements: Sequence[Placement],
+    placements: Sequence[Placement] | None = None,
     *,
-    mode: str = "compile:inductor",
+    mode: str = "auto",
     step_inputs: Sequence[StepInputs] | None = None,
     atol: float = 1e-5,
 ) -> ReplayReport:
@@ -156,8 +245,9 @@ def capture_commit_replay(
         fn: the routed callable; it must read routing only from ``state``'s tensors.
         example_args: tensors passed on every call (device graphs replay on these addresses).
         state: the EPLB state ``fn`` reads; commits go through ``state.commit_``.
-        placements: placements to commit one after another (each must differ to be meaningful).
-        mode: see the module docstring; raise ``ValueError`` for unknown modes.
+        placements: placements to commit one after another (each must differ to be meaningful);
+            ``None`` commits three generated valid placements, each different from the last.
+        mode: see the module docstring (default ``"auto"``); ``ValueError`` for unknown modes.
         step_inputs: knobs cycled over the calls (valid-token count, record flag, offset step).
         atol: tolerance for floating outputs (compiled kernels may reassociate sums).
 
@@ -165,9 +255,14 @@ def capture_commit_replay(
         GraphRegressionError: on a recompile/re-capture, moved EPLB tensor, or eager mismatch.
         RuntimeError: if ``mode`` cannot run here (see :func:`graph_mode_skip_reason`).
     """
+    mode = resolve_graph_mode(mode, state)
     reason = graph_mode_skip_reason(mode)
     if reason is not None:
         raise RuntimeError(f"graph mode {mode} unavailable: {reason}")
+    if placements is None:
+        from eplb_graph.audit.placements import alternative_placements
+
+        placements = alternative_placements(state.placement, 3)
     args = tuple(example_args)
     knobs = list(step_inputs or [StepInputs(num_valid_tokens=_rows(args))])
     harness = _Harness(fn, state, atol)

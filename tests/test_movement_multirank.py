@@ -42,7 +42,9 @@ def _movement_body(rank: int, world_size: int, formats: list[str]) -> dict:
             ControlSettings(window_size=8, step_interval=10**6),  # no automatic windows
             groups,
             rank,
-            movement=MovementSettings(layers_per_step=1, exchange_timeout_s=30),
+            movement=MovementSettings(
+                layers_per_step=1, exchange_timeout_s=30, commit_margin_steps=50
+            ),
         )
         generator = torch.Generator().manual_seed(11)  # identical plans on every rank
         commit_steps: list[tuple[int, int]] = []
@@ -51,6 +53,7 @@ def _movement_body(rank: int, world_size: int, formats: list[str]) -> dict:
             for _round in range(ROUNDS):
                 new = random_placement(generator, LAYERS, EXPERTS, placement.num_slots)
                 assert runtime.rearrange_to(new)
+                lockstep = torch.zeros(1)
                 for _ in range(2000):
                     committed = runtime.begin_step(has_prefill=False, num_valid_tokens=4)
                     commit_steps.extend((runtime.clock.step, layer) for layer in committed)
@@ -59,8 +62,10 @@ def _movement_body(rank: int, world_size: int, formats: list[str]) -> dict:
                     # the weights installed in every local slot.
                     step_mismatches += len(slot_mismatches(views, live, rank, world_size, payloads))
                     time.sleep(0.001)  # the forward
+                    lockstep.fill_(float(runtime.busy))
+                    dist.all_reduce(lockstep)  # the serving collective: ranks in lockstep
                     runtime.end_step()
-                    if not runtime.busy:
+                    if lockstep.item() == 0:
                         break
                 assert not runtime.busy, "rearrangement did not finish"
                 assert torch.equal(state.placement.phy2log, new)

@@ -121,26 +121,45 @@ Planner = Callable[[WindowLoad], "torch.Tensor | None"]
 class WindowSnapshot:
     """A closed window handed to the movement worker (async mode) before any reduction.
 
-    ``rows`` lives in a buffer the controller allocated once; the worker must finish reading it
-    before it reports idle again (the controller only refills it when the worker is idle).
+    ``rows`` is a view of one of two buffers the controller allocated once and alternates
+    between; the worker copies it first thing and then checks ``still_valid()`` (the buffer was
+    not refilled meanwhile), so a late worker detects reuse instead of reading torn data.
     """
 
     step: int
     rows: torch.Tensor  # [r, L, P] chronological, on the state's device
     placements: list  # [r] phy2log [L, P] per row (None: not recorded)
     committed: torch.Tensor  # [L, P] phy2log live at the close
+    still_valid: Callable[[], bool] = lambda: True
+    ready: object | None = None  # device event recorded after the copy (None on CPU)
 
 
 def reduce_window(
     snapshot: WindowSnapshot, reduce: LoadReducer, num_logical: int, time_samples: int
 ) -> WindowLoad:
-    """Fold a window to logical experts and sum it across ranks in one collective."""
-    logical = fold_to_logical(snapshot.rows, snapshot.placements, num_logical, time_samples)
-    physical = snapshot.rows.sum(dim=0).to("cpu", torch.int64)
-    num_layers = physical.shape[0]
-    packed = reduce(torch.cat([logical.reshape(-1), physical.reshape(-1)]))
-    logical = packed[: logical.numel()].view(-1, num_layers, num_logical)
-    physical = packed[logical.numel() :].view(num_layers, -1)
+    """Fold a window to logical experts and sum it across ranks in one collective.
+
+    The collective's size depends only on shapes every rank shares, and it is issued even if
+    the local fold fails (with zeros; the error is re-raised after), so a local failure never
+    leaves a peer paired with a different collective.
+    """
+    rows = snapshot.rows
+    count, num_layers, num_slots = rows.shape
+    buckets = max(1, min(time_samples, count))
+    logical_size = buckets * num_layers * num_logical
+    failure: Exception | None = None
+    try:
+        logical = fold_to_logical(rows, snapshot.placements, num_logical, time_samples)
+        physical = rows.sum(dim=0).to("cpu", torch.int64)
+        packed = torch.cat([logical.reshape(-1), physical.reshape(-1)])
+    except Exception as error:  # still take part in the collective
+        failure = error
+        packed = torch.zeros(logical_size + num_layers * num_slots, dtype=torch.int64)
+    packed = reduce(packed)
+    if failure is not None:
+        raise failure
+    logical = packed[:logical_size].view(buckets, num_layers, num_logical)
+    physical = packed[logical_size:].view(num_layers, num_slots)
     return WindowLoad(snapshot.step, logical, physical, snapshot.committed)
 
 
@@ -163,9 +182,10 @@ class EplbController:
             or ``None`` to keep the placement. In async mode the movement worker runs it.
         on_plan: receives each non-``None`` plan (the movement plane / commit scheduler).
         handoff: async mode. At a window close the controller snapshots the window in place (no
-            collective, no host sync on the main thread) and calls ``handoff(snapshot)``, which
-            returns False when the worker is still busy (the close is then skipped and counted).
-            ``reduce``/``planner``/``on_plan`` are the worker's business in this mode.
+            collective, no host sync on the main thread) into one of two reused buffers and
+            calls ``handoff(snapshot)``; every rank hands off every window, so the workers walk
+            the same sequence of jobs. ``reduce``/``planner``/``on_plan`` are the worker's
+            business in this mode.
     """
 
     def __init__(
@@ -176,8 +196,7 @@ class EplbController:
         reduce: LoadReducer = local_reducer,
         planner: Planner | None = None,
         on_plan: Callable[[WindowReport], None] | None = None,
-        handoff: Callable[[WindowSnapshot], bool] | None = None,
-        is_busy: Callable[[], bool] | None = None,
+        handoff: Callable[[WindowSnapshot], None] | None = None,
     ) -> None:
         self.state = state
         self.settings = settings
@@ -185,8 +204,6 @@ class EplbController:
         self.planner = planner
         self.on_plan = on_plan
         self.handoff = handoff
-        self.is_busy = is_busy or (lambda: False)
-        self.windows_skipped_busy = 0
         self.window = LoadWindow(
             settings.effective_window_size,
             state.num_layers,
@@ -194,7 +211,12 @@ class EplbController:
             dtype=state.load.dtype,
             device=state.device,
         )
-        self._snapshot_rows = torch.empty_like(self.window.rows) if handoff is not None else None
+        # Two buffers, alternated: a window's snapshot stays intact until the close after next.
+        self._snapshot_buffers = (
+            [torch.empty_like(self.window.rows) for _ in range(2)] if handoff is not None else []
+        )
+        self._snapshot_versions = [0, 0]
+        self._closes = 0
         self.step = 0
         # Upstream: the first rearrangement comes after step_interval // 4 steps.
         self.steps_to_rearrangement = max(1, settings.step_interval // 4)
@@ -264,18 +286,7 @@ class EplbController:
     def _close_window(self) -> WindowReport | None:
         _, committed = self.state.committed_snapshot()
         if self.handoff is not None:
-            # Every rank takes this branch at the same step; a busy worker skips on every rank
-            # alike only if busy-ness is agreed, so the worker reports busy until its
-            # rearrangement finished on all ranks (it ends with a collective).
-            if self.is_busy():
-                self.windows_skipped_busy += 1
-                logger.warning(
-                    "EPLB step %d: previous rearrangement still running; window skipped",
-                    self.step,
-                )
-                return None
-            rows, placements = self.window.snapshot(out=self._snapshot_rows)
-            self.handoff(WindowSnapshot(self.step, rows, placements, committed))
+            self._hand_off(committed)
             return None
         rows, placements = self.window.snapshot()
         load = reduce_window(
@@ -296,6 +307,22 @@ class EplbController:
             if self.on_plan is not None:
                 self.on_plan(report)
         return report
+
+    def _hand_off(self, committed: torch.Tensor) -> None:
+        index = self._closes % 2
+        self._closes += 1
+        self._snapshot_versions[index] += 1  # invalidates any snapshot still pointing here
+        version = self._snapshot_versions[index]
+        rows, placements = self.window.snapshot(out=self._snapshot_buffers[index])
+        ready = None
+        if rows.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+
+        def still_valid() -> bool:
+            return self._snapshot_versions[index] == version
+
+        self.handoff(WindowSnapshot(self.step, rows, placements, committed, still_valid, ready))
 
     # -- monitoring --------------------------------------------------------------------------
     def snapshot(self) -> dict:

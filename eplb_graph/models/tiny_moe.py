@@ -93,3 +93,19 @@ class TinyMoE(nn.Module):
             combined = expert_out.view(num_tokens, self.config.top_k, -1) * weights.unsqueeze(-1)
             hidden = hidden + combined.sum(dim=1)
         return hidden
+
+
+def audit_target() -> tuple[TinyMoE, tuple[torch.Tensor], EplbState]:
+    """The default ``eplb-graph audit`` target: a 2-layer TinyMoE over 16 slots on 4 ranks.
+
+    Returns ``(model, (hidden,), state)`` with a decode-like step set (12 tokens, all valid,
+    recording on), which is the shape of triple every audit target returns.
+    """
+    from eplb_graph.placement import Placement
+
+    config = TinyMoEConfig(num_layers=2, hidden=16, intermediate=24, num_experts=8, top_k=2)
+    placement = Placement.default(config.num_layers, config.num_experts, 8, 4)
+    state = EplbState(placement, rank=1)
+    state.set_step_inputs_(12, True)
+    hidden = torch.randn(12, config.hidden, generator=torch.Generator().manual_seed(0))
+    return TinyMoE(config, state), (hidden,), state

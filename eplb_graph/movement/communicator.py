@@ -18,6 +18,7 @@ as poisoned and the worker builds a fresh one for the next attempt.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -121,6 +122,11 @@ class GlooStagedCommunicator:
                 for work in works:
                     work.wait(self.timeout)
             except Exception as error:
+                # Never hand a buffer back while an operation may still write into it: wait for
+                # every outstanding op to complete or fail (gloo bounds this by its timeout).
+                for work in works:
+                    with contextlib.suppress(Exception):
+                        work.wait(self.timeout)
                 raise TransferError(
                     f"rank {self.rank}: exchange batch {start // self.max_batch_ops} failed: "
                     f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"

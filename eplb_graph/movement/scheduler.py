@@ -56,7 +56,7 @@ class CommitScheduler:
         pool: StagingPool,
         clock: StepClock,
         *,
-        fence_timeout_s: float = 120.0,
+        fence_timeout_s: float = 60.0,
     ) -> None:
         self.state = state
         self.views = list(views)
@@ -65,16 +65,16 @@ class CommitScheduler:
         self.clock = clock
         self.fence_timeout_s = fence_timeout_s
         self.stats = SchedulerStats()
-        self.busy = False  # a rearrangement is in flight (from hand-off to its agreed finish)
+        self.jobs_in_flight = 0  # handed to the worker and not finished yet (local only)
         self._pending: deque = deque()
 
     def begin_step(self) -> list[int]:
         """Call before the forward of the current step; returns the layers committed now."""
-        if not self.clock.enter_step(self.fence_timeout_s):
+        if not self.clock.enter_step(self.worker.agreement.veto, self.fence_timeout_s):
             self.stats.fence_timeouts += 1
-            logger.error(
-                "EPLB: movement worker did not finish agreeing within %.0f s; serving goes on "
-                "with the committed placement",
+            logger.critical(
+                "EPLB: a committed layer was not handed over by the local worker within %.0f s; "
+                "this rank may now disagree with its peers (the worker thread is broken)",
                 self.fence_timeout_s,
             )
         self._pending.extend(self.worker.poll())
@@ -114,11 +114,15 @@ class CommitScheduler:
         self.stats.slots_written += written
         self.stats.bytes_installed += written * self.views[item.layer].slot_nbytes
 
+    @property
+    def busy(self) -> bool:
+        return self.jobs_in_flight > 0
+
     def _finish(self, item: RearrangementFinished) -> None:
-        self.busy = False
+        self.jobs_in_flight -= 1
         self.stats.rearrangements_finished += 1
         if not item.ok:
             self.stats.rearrangements_failed += 1
 
     def mark_busy(self) -> None:
-        self.busy = True
+        self.jobs_in_flight += 1

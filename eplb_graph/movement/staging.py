@@ -110,6 +110,13 @@ class StagingPool:
             block.layer = None
             self._condition.notify_all()
 
+    def wait_all_free(self, timeout: float | None = None) -> bool:
+        """Worker: wait until the main thread has installed and released every block."""
+        with self._condition:
+            return self._condition.wait_for(
+                lambda: all(block.state is BlockState.FREE for block in self.blocks), timeout
+            )
+
     def states(self) -> list[BlockState]:
         with self._condition:
             return [block.state for block in self.blocks]

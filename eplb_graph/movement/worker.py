@@ -22,6 +22,7 @@ raised fence, which is bounded.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -35,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from eplb_graph.control.controller import WindowSnapshot, reduce_window
+from eplb_graph.movement.agreement import StoreAgreement, default_store
 from eplb_graph.movement.clock import StepClock
 from eplb_graph.movement.communicator import GlooStagedCommunicator, stage_reads_
 from eplb_graph.movement.planner import plan_transfer
@@ -52,7 +54,7 @@ when not per layer); it may raise or sleep to inject a fault."""
 @dataclass(frozen=True)
 class MovementSettings:
     layers_per_step: int = 1  # layers committed together at one agreed step
-    commit_margin_steps: int = 4  # fence distance: steps the agreement may take
+    commit_margin_steps: int = 8  # fence distance: steps a decision may take before a veto
     exchange_timeout_s: float = 30.0
     agree_timeout_s: float = 30.0
     max_batch_ops: int = 32
@@ -86,10 +88,10 @@ class PublishedLayer:
 
 @dataclass
 class RearrangementFinished:
-    """End marker: the main thread clears 'busy' at ``commit_step`` (same on every rank)."""
+    """End marker of one job (processed by the main thread as soon as it is polled)."""
 
     generation: int
-    commit_step: int  # -1: agreement impossible; clear at once (liveness only, never safety)
+    commit_step: int  # always -1: processed at once
     ok: bool
     error: str | None
 
@@ -135,6 +137,7 @@ class MovementWorker:
         planner: Callable | None = None,
         settings: MovementSettings | None = None,
         fault_hook: FaultHook | None = None,
+        agreement: StoreAgreement | None = None,
     ) -> None:
         if len(views) != state.num_layers:
             raise ValueError(
@@ -149,6 +152,14 @@ class MovementWorker:
         self.planner = planner
         self.settings = settings or MovementSettings()
         self.fault_hook = fault_hook or (lambda point, layer: None)
+        lag = self.settings.exchange_timeout_s + self.settings.agree_timeout_s
+        self.agreement = agreement or StoreAgreement(
+            default_store(),
+            rank,
+            state.num_ranks,
+            vote_timeout_s=lag,
+            decision_timeout_s=2 * lag + 5.0,
+        )
         self.stats = WorkerStats()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -160,8 +171,10 @@ class MovementWorker:
     def submit_window(self, snapshot: WindowSnapshot) -> None:
         self._inbox.put(("window", snapshot))
 
-    def submit_plan(self, old_phy2log: torch.Tensor, new_phy2log: torch.Tensor) -> None:
-        self._inbox.put(("plan", (old_phy2log.clone(), new_phy2log.clone())))
+    def submit_plan(self, new_phy2log: torch.Tensor) -> None:
+        """Queue a move to ``new_phy2log [L, P]`` (planned against the placement committed when
+        the job starts, after every earlier job's layers are installed)."""
+        self._inbox.put(("plan", new_phy2log.clone()))
 
     def poll(self) -> list:
         """Everything published since the last poll (PublishedLayer / RearrangementFinished)."""
@@ -192,44 +205,50 @@ class MovementWorker:
                 self._rearrange(kind, payload)
             except Exception:  # never let the thread die: report and wait for the next window
                 error = traceback.format_exc(limit=3)
-                logger.error("EPLB movement worker crashed unexpectedly:\n%s", error)
+                logger.error("EPLB movement worker failed unexpectedly:\n%s", error)
+                self.stats.rearrangements_aborted += 1
                 self.stats.last_error = error
-                self._finish(None, ok=False, error=error)
+                self.stats.errors.append(error)
+                self._outbox.put(RearrangementFinished(self._generation, -1, False, error))
 
-    def _agree(self, group, proposal: int, ok: bool) -> tuple[int, bool]:
-        """One all-reduce: MAX of proposed steps and of abort votes."""
-        vote = torch.tensor([proposal, 0 if ok else 1], dtype=torch.int64)
-        work = dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=group, async_op=True)
-        work.wait(timedelta_s(self.settings.agree_timeout_s))
-        return int(vote[0]), int(vote[1]) == 0
+    def _decide(self, phase: str, *, ok: bool, proposal: int = 0, digest: int = 0):
+        """The coordinator's decision for this attempt's ``phase`` (see ``agreement``)."""
+        return self.agreement.decide(
+            f"{self._generation}/{phase}", ok=ok, proposal=proposal, digest=digest
+        )
 
     def _rearrange(self, kind: str, payload) -> None:
-        group = None
+        """One attempt. Data moves over the gloo group; every go/no-go and every commit step
+        is a coordinator decision (``agreement``), so all ranks act alike whatever failed."""
         error: str | None = None
+        group = None
         try:
             group = self.group_factory()
-            if kind == "window":
-                old, new = self._plan_from_window(group, payload)
-            else:
-                old, new = payload
         except Exception as failure:
-            old = new = None
-            error = f"planning failed: {type(failure).__name__}: {failure}"
-        # Every rank votes on the plan before any data moves: a policy failure on one rank
-        # aborts everywhere without anyone blocking in an exchange.
-        ok = error is None
-        try:
-            _, all_ok = self._agree(group, 0, ok) if group is not None else (0, False)
-        except Exception as failure:
-            all_ok = False
-            error = error or f"plan agreement failed: {failure}"
-        if not all_ok:
-            self._abort(group, error or "a peer failed to plan")
+            error = f"no movement group: {type(failure).__name__}: {failure}"
+        # Earlier jobs' layers must be installed first: their sources are read from the live
+        # weights, and the placement they leave is this job's starting point.
+        if not self.pool.wait_all_free(self.settings.exchange_timeout_s):
+            error = error or "earlier layers were not installed by the main thread in time"
+        _, old = self.state.committed_snapshot()
+        new = old
+        if kind == "window":
+            rows = _copy_snapshot(payload)  # before anything else: the buffer is reused
+            if rows is None:
+                error = "window snapshot was overwritten before the worker read it (worker late)"
+            elif error is None:
+                new, error = self._plan_from_window(group, payload, rows, old)
+        elif error is None:
+            new = payload
+        digest = _placement_digest(new) if error is None else 0
+        decision = self._decide("plan", ok=error is None, digest=digest)
+        if not decision.commit:
+            self._abort(error or f"plan rejected: {decision.reason}")
             return
         changed = [layer for layer in range(len(new)) if not torch.equal(old[layer], new[layer])]
         if not changed:
             self.stats.rearrangements_noop += 1
-            self._finish(group, ok=True, error=None)
+            self._finish(ok=True, error=None)
             return
         communicator = GlooStagedCommunicator(
             group,
@@ -238,52 +257,70 @@ class MovementWorker:
             timeout_s=self.settings.exchange_timeout_s,
         )
         chunk_size = self.settings.layers_per_step
-        for start in range(0, len(changed), chunk_size):
+        for index, start in enumerate(range(0, len(changed), chunk_size)):
             chunk = changed[start : start + chunk_size]
             staged: list[PublishedLayer] = []
             error = None
             try:
                 for layer in chunk:
                     staged.append(self._stage_layer(communicator, layer, old[layer], new[layer]))
-            except Exception as failure:
-                error = f"layer {chunk}: {type(failure).__name__}: {failure}"
-            fence = self.clock.raise_fence(self.settings.commit_margin_steps)
-            try:
                 self.fault_hook("agree", chunk[0])
-                commit_step, all_ok = self._agree(group, fence, error is None)
             except Exception as failure:
-                all_ok = False
-                error = error or f"commit agreement failed: {type(failure).__name__}: {failure}"
-            if not all_ok:
+                error = f"layers {chunk}: {type(failure).__name__}: {failure}"
+            round_key = f"{self._generation}/commit/{index}"
+            fence = self.clock.raise_fence(self.settings.commit_margin_steps, round_key)
+            try:
+                decision = self.agreement.decide(round_key, ok=error is None, proposal=fence)
+            except Exception:
+                self.clock.lower_fence()
+                for item in staged:
+                    self.pool.release(item.block)
+                raise
+            if not decision.commit:
                 for item in staged:
                     self.pool.release(item.block)
                 self.clock.lower_fence()
-                self._abort(group, error or "a peer failed to stage")
+                self._abort(error or f"commit rejected: {decision.reason}")
                 return
             for item in staged:
-                item.commit_step = commit_step
+                item.commit_step = decision.step
                 self.pool.publish(item.block)
                 self._outbox.put(item)
                 self.stats.layers_published += 1
                 self.stats.bytes_received += item.bytes_received
             self.clock.lower_fence()
         self.stats.rearrangements_completed += 1
-        self._finish(group, ok=True, error=None)
+        self._finish(ok=True, error=None)
 
-    def _plan_from_window(self, group, snapshot: WindowSnapshot):
-        self.fault_hook("plan", -1)
+    def _plan_from_window(self, group, snapshot: WindowSnapshot, rows: torch.Tensor, old):
+        """Reduce the window (one collective, always issued) then plan locally from ``old``.
+
+        Returns ``(new, error)``; on a local failure ``new`` is ``old`` and ``error`` says why
+        (the caller votes abort).
+        """
 
         def reduce(tensor: torch.Tensor) -> torch.Tensor:
             work = dist.all_reduce(tensor, group=group, async_op=True)
             work.wait(timedelta_s(self.settings.agree_timeout_s))
             return tensor
 
-        load = reduce_window(snapshot, reduce, self.state.num_logical, self.settings.time_samples)
-        started = time.perf_counter()
-        new = self.planner(load) if self.planner is not None else None
-        self.stats.policy_seconds += time.perf_counter() - started
-        old = snapshot.committed
-        return old, (old if new is None else new)
+        try:
+            load = reduce_window(
+                dataclasses.replace(snapshot, rows=rows, committed=old),
+                reduce,
+                self.state.num_logical,
+                self.settings.time_samples,
+            )
+        except Exception as failure:
+            return old, f"window reduction failed: {type(failure).__name__}: {failure}"
+        try:
+            self.fault_hook("plan", -1)
+            started = time.perf_counter()
+            new = self.planner(load) if self.planner is not None else None
+            self.stats.policy_seconds += time.perf_counter() - started
+        except Exception as failure:
+            return old, f"policy failed: {type(failure).__name__}: {failure}"
+        return (old if new is None else new), None
 
     def _stage_layer(self, communicator, layer: int, old_row, new_row) -> PublishedLayer:
         plan = plan_transfer(old_row, new_row, self.state.num_ranks)
@@ -304,41 +341,23 @@ class MovementWorker:
             raise
         return PublishedLayer(self._generation, layer, -1, rank_plan, block, prepared, received)
 
-    def _abort(self, group, error: str) -> None:
+    def _abort(self, error: str) -> None:
+        """Every rank reaches this for the same attempt (the decision was shared)."""
         self.stats.rearrangements_aborted += 1
         self.stats.last_error = error
         self.stats.errors.append(error)
         logger.error(
             "EPLB rearrangement %d aborted on rank %d: %s", self._generation, self.rank, error
         )
-        self._finish(self._fresh_group_or_none(), ok=False, error=error)
+        poison = getattr(self.group_factory, "poison", None)
+        if poison is not None:
+            poison()  # gloo closes pairs on timeouts: never reuse a group an abort touched
+        self._finish(ok=False, error=error)
 
-    def _fresh_group_or_none(self):
-        """After an abort the group may be poisoned (gloo closes pairs on a timeout)."""
-        try:
-            poison = getattr(self.group_factory, "poison", None)
-            if poison is not None:
-                poison()
-            return self.group_factory()
-        except Exception as failure:
-            logger.error("EPLB: no usable movement group after an abort: %s", failure)
-            return None
-
-    def _finish(self, group, *, ok: bool, error: str | None) -> None:
-        """Agree on the step at which every main thread sees this rearrangement end."""
-        commit_step = -1
-        if group is not None:
-            fence = self.clock.raise_fence(self.settings.commit_margin_steps)
-            try:
-                commit_step, _ = self._agree(group, fence, True)
-            except Exception as failure:
-                logger.error("EPLB: finish agreement failed (%s); releasing locally", failure)
-                commit_step = -1
-            finally:
-                self._outbox.put(RearrangementFinished(self._generation, commit_step, ok, error))
-                self.clock.lower_fence()
-            return
-        self._outbox.put(RearrangementFinished(self._generation, commit_step, ok, error))
+    def _finish(self, *, ok: bool, error: str | None) -> None:
+        """Tell the main thread this job is over (it only tracks 'busy' locally: every rank
+        processes every job in the same order, so nothing about it needs agreeing)."""
+        self._outbox.put(RearrangementFinished(self._generation, -1, ok, error))
 
 
 def timedelta_s(seconds: float) -> timedelta:
@@ -377,3 +396,20 @@ class GroupRing:
 
 class GroupsExhausted(RuntimeError):
     """Every pre-created movement group was poisoned by an abort."""
+
+
+def _placement_digest(phy2log: torch.Tensor) -> int:
+    """A 62-bit digest of a placement, equal on every rank that planned the same thing."""
+    import hashlib
+
+    data = phy2log.to(torch.int64).contiguous().numpy().tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 2
+
+
+def _copy_snapshot(snapshot: WindowSnapshot) -> torch.Tensor | None:
+    """Copy the snapshot rows to the host; ``None`` if the controller reused the buffer meanwhile
+    (a seqlock: the version is checked after the copy)."""
+    if snapshot.ready is not None:
+        snapshot.ready.synchronize()  # device copy into the buffer finished (CUDA/NPU event)
+    rows = snapshot.rows.to("cpu", copy=True)
+    return rows if snapshot.still_valid() else None

@@ -11,10 +11,12 @@ Entry points:
 from __future__ import annotations
 
 # Policy modules register themselves with @register_policy on import. Import every further policy
-# module here, unconditionally, next to these two as it lands: swift_balance ("swift_balance"),
-# flash_lb ("flash_lb"), churn_aware ("churn_aware").
+# module here, unconditionally.
+from eplb_graph.policy import churn_aware as _churn_aware  # noqa: F401  ("churn_aware")
 from eplb_graph.policy import deepseek as _deepseek  # noqa: F401  ("default")
+from eplb_graph.policy import flash_lb as _flash_lb  # noqa: F401  ("flash_lb")
 from eplb_graph.policy import random_policy as _random_policy  # noqa: F401  ("random", tests)
+from eplb_graph.policy import swift_balance as _swift_balance  # noqa: F401  ("swift_balance")
 
 # Public API.
 from eplb_graph.policy.deepseek import rebalance_experts

@@ -3,6 +3,7 @@
 Usage::
 
     python tools/bench/bench_policy.py [--quick] [--json PATH] [--threads 1 2]
+    python tools/bench/bench_policy.py --churn [--quick] [--json PATH]
 
 Configurations (from ``shared/research/anchor_numbers.md``):
 
@@ -25,6 +26,12 @@ the target is not evaluated).
 
 The upstream anchor times (DeepSeek ``eplb.py`` unmodified, same machine class, a different run)
 are printed alongside for context only; they are not part of the same-run comparison.
+
+``--churn`` runs the churn experiment instead (:func:`churn_experiment`): re-planning window after
+window on a drifting trace, DeepSeek global's fresh plan against ``churn_aware`` (and
+``swift_balance`` / ``flash_lb`` for reference), measuring the fraction of slots that need a
+cross-rank transfer and the balancedness of each plan under the *next* window's load. Configs A1,
+A2 and B; ``--quick`` uses 8 layers and 3 windows.
 """
 
 from __future__ import annotations
@@ -44,7 +51,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from eplb_graph.policy import rebalance_experts
+from eplb_graph.policy import (
+    balancedness,
+    rank_load,
+    rebalance,
+    rebalance_experts,
+    transfers_needed,
+)
 from eplb_graph.policy.reference_deepseek import reference_rebalance_experts
 
 TARGET_SPEEDUP = 20.0
@@ -155,6 +168,177 @@ def print_table(threads: int, rows: list[dict]) -> None:
         )
 
 
+# ---------------------------------------------------------------------------------------------
+# Churn experiment (--churn)
+
+CHURN_CONFIGS = (  # name, layers, experts, slots, ranks (DeepSeek "global": 1 group, 1 node)
+    ("A1", 58, 256, 320, 64),
+    ("A2", 58, 256, 288, 32),
+    ("B", 48, 128, 144, 16),
+)
+CHURN_TOKENS, CHURN_TOP_K, CHURN_SIGMA = 100_000, 8, 0.2
+TARGET_TRANSFER_FRACTION = 0.15
+# name -> (policy, options); every policy but "default" re-plans from its own previous plan.
+CHURN_POLICIES = {
+    "default (DeepSeek global, fresh)": ("default", {}),
+    "churn_aware (10% budget)": ("churn_aware", {}),
+    "churn_aware (15% budget)": ("churn_aware", {"max_transfer_fraction": 0.15}),
+    "swift_balance": ("swift_balance", {}),
+    "flash_lb": ("flash_lb", {}),
+}
+REFERENCE = "default (DeepSeek global, fresh)"
+
+
+def expected_topk_load(popularity: np.ndarray) -> np.ndarray:
+    """``[L, N]`` expected token counts when each of ``CHURN_TOKENS`` tokens picks ``CHURN_TOP_K``
+    distinct experts with weights ``popularity [L, N]`` (rows sum to 1).
+
+    The inclusion probability of an expert under sampling without replacement is approximated by
+    ``1 - exp(-lam p)`` with ``lam`` solved (bisection) so that the probabilities sum to ``k``;
+    like real top-k routing this caps an expert at ``1 / k`` of a layer's counts. For zipf(1.0)
+    over 256 experts the largest share comes out at 0.098, as the anchors' sampled 0.0983.
+    """
+    low = np.zeros(popularity.shape[0])
+    high = np.ones(popularity.shape[0])
+    while ((1 - np.exp(-high[:, None] * popularity)).sum(axis=1) < CHURN_TOP_K).any():
+        high *= 2
+    for _ in range(60):
+        middle = (low + high) / 2
+        below = (1 - np.exp(-middle[:, None] * popularity)).sum(axis=1) < CHURN_TOP_K
+        low, high = np.where(below, middle, low), np.where(below, high, middle)
+    return CHURN_TOKENS * (1 - np.exp(-high[:, None] * popularity))
+
+
+def drifting_windows(layers: int, experts: int, windows: int, seed: int) -> list[torch.Tensor]:
+    """``windows`` consecutive ``[L, N]`` loads: zipf(1.0) popularity over a random expert order
+    per layer, multiplied by ``exp(CHURN_SIGMA * N(0, 1))`` per expert (and renormalized) between
+    consecutive windows; each window's load is the expected top-k count of its popularity."""
+    rng = np.random.default_rng(seed)
+    shape = 1.0 / np.arange(1, experts + 1)
+    popularity = np.stack([shape[rng.permutation(experts)] for _ in range(layers)])
+    popularity /= popularity.sum(axis=1, keepdims=True)
+    loads = []
+    for _ in range(windows):
+        loads.append(torch.from_numpy(expected_topk_load(popularity)))
+        popularity = popularity * np.exp(CHURN_SIGMA * rng.standard_normal(popularity.shape))
+        popularity /= popularity.sum(axis=1, keepdims=True)
+    return loads
+
+
+def churn_experiment(config: tuple, layers: int, windows: int, seed: int) -> dict:
+    """Re-plan on windows 1..W of a drifting trace; score each plan on the next window.
+
+    Window 0's DeepSeek global plan is everyone's starting placement. Then for t = 1..W every
+    policy plans on window t's load (from its own plan for t-1; DeepSeek plans fresh), and we
+    record: the fraction of the L * P slots whose (expert, rank) pair is new (a cross-rank
+    transfer), balancedness under window t's load (what the plan was made for) and under window
+    t+1's load (what it will actually serve), and the planning time.
+    """
+    name, _, experts, slots, ranks = config
+    loads = drifting_windows(layers, experts, windows + 2, seed)
+    start, _, _ = rebalance_experts(loads[0], slots, 1, 1, ranks)
+    current = dict.fromkeys(CHURN_POLICIES, start)
+    rows: dict[str, dict[str, list[float]]] = {
+        label: {"transfers": [], "now": [], "next": [], "seconds": []} for label in CHURN_POLICIES
+    }
+    for t in range(1, windows + 1):
+        for label, (policy, options) in CHURN_POLICIES.items():
+            began = time.perf_counter()
+            plan = rebalance(policy, loads[t], slots, 1, 1, ranks, current[label], **options)
+            row = rows[label]
+            row["seconds"].append(time.perf_counter() - began)
+            moved = int(transfers_needed(current[label], plan, ranks).sum())
+            row["transfers"].append(moved / (layers * slots))
+            row["now"].append(balancedness(rank_load(plan, loads[t], ranks)))
+            row["next"].append(balancedness(rank_load(plan, loads[t + 1], ranks)))
+            current[label] = plan
+    reference = np.array(rows[REFERENCE]["next"])
+    summary = {}
+    for label, row in rows.items():
+        gap = np.array(row["next"]) - reference
+        summary[label] = {
+            **row,
+            "transfers_mean": float(np.mean(row["transfers"])),
+            "transfers_max": float(np.max(row["transfers"])),
+            "now_mean": float(np.mean(row["now"])),
+            "next_mean": float(np.mean(row["next"])),
+            "next_min": float(np.min(row["next"])),
+            "next_gap_mean": float(gap.mean()),
+            "next_gap_min": float(gap.min()),
+            "seconds_median": float(statistics.median(row["seconds"])),
+        }
+    return {
+        "config": name,
+        "layers": layers,
+        "experts": experts,
+        "slots": slots,
+        "ranks": ranks,
+        "windows": windows,
+        "seed": seed,
+        "policies": summary,
+    }
+
+
+def churn_verdict(result: dict) -> dict:
+    """The acceptance check for churn_aware rows: transfers <= 15% of slots in every window, and
+    balancedness under the next window >= DeepSeek's fresh plan's (mean over windows, and in the
+    worst window)."""
+    verdict = {}
+    for label, row in result["policies"].items():
+        if not label.startswith("churn_aware"):
+            continue
+        verdict[label] = {
+            "transfers_ok": row["transfers_max"] <= TARGET_TRANSFER_FRACTION + 1e-12,
+            "balance_mean_ok": row["next_gap_mean"] >= 0.0,
+            "balance_every_window_ok": row["next_gap_min"] >= 0.0,
+        }
+    return verdict
+
+
+def print_churn(result: dict) -> None:
+    print(
+        f"\n{result['config']}: {result['layers']} layers x {result['experts']} experts, "
+        f"P = {result['slots']}, {result['ranks']} ranks, {result['windows']} windows "
+        f"(drift sigma {CHURN_SIGMA})"
+    )
+    header = (
+        f"{'policy':<34} {'transfers mean/max':>18} {'bal@t':>6} {'bal@t+1 mean/min':>17} "
+        f"{'vs DeepSeek mean/worst':>23} {'ms':>6}"
+    )
+    print(header)
+    print("-" * len(header))
+    for label, row in result["policies"].items():
+        print(
+            f"{label:<34} {row['transfers_mean']:>9.3f}/{row['transfers_max']:.3f} "
+            f"{row['now_mean']:>6.3f} {row['next_mean']:>10.3f}/{row['next_min']:.3f} "
+            f"{row['next_gap_mean']:>+14.4f}/{row['next_gap_min']:+.4f} "
+            f"{row['seconds_median'] * 1e3:>6.0f}"
+        )
+    for label, checks in churn_verdict(result).items():
+        print(f"  {label}: " + ", ".join(f"{k}={v}" for k, v in checks.items()))
+
+
+def churn_main(args: argparse.Namespace) -> int:
+    """``--churn``: run :func:`churn_experiment` on every config; always exits 0."""
+    report: dict = {"environment": environment(), "quick": args.quick, "churn": []}
+    print("environment:", report["environment"])
+    windows = 3 if args.quick else 5
+    wall = time.perf_counter()
+    for index, config in enumerate(CHURN_CONFIGS):
+        layers = 8 if args.quick else config[1]
+        result = churn_experiment(config, layers, windows, args.seed + 10 * index)
+        result["verdict"] = churn_verdict(result)
+        print_churn(result)
+        report["churn"].append(result)
+    report["wall_s"] = time.perf_counter() - wall
+    print(f"\nwall {report['wall_s']:.1f} s")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="8 layers, fewer rounds")
@@ -162,7 +346,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--rounds", type=int, help="timed rounds per configuration")
     parser.add_argument("--seed", type=int, default=1000)
+    parser.add_argument(
+        "--churn", action="store_true", help="run the churn experiment instead of the timing"
+    )
     args = parser.parse_args(argv)
+    if args.churn:
+        return churn_main(args)
     rounds = args.rounds or (3 if args.quick else 11)
 
     report: dict = {"environment": environment(), "quick": args.quick, "results": {}}

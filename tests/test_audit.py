@@ -1,0 +1,783 @@
+"""The graph-safety audit: goldens for the clean model and each broken sample, the checks one by
+one, and the CLI's exit codes.
+
+Goldens are ``expecttest`` inline strings: after an intended change to a report, regenerate
+them with ``EXPECTTEST_ACCEPT=1 python -m pytest tests/test_audit.py`` and review the diff.
+Paths are repo-relative (``root=ROOT``); line numbers point into ``tests/broken_models.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import expecttest
+import pytest
+import torch
+
+import eplb_graph
+from eplb_graph import cli
+from eplb_graph.audit import (
+    AuditReport,
+    TargetError,
+    TargetRaised,
+    alternative_placement,
+    load_target,
+    register_op_body,
+    run_audit,
+    sync_ops,
+)
+from eplb_graph.audit.findings import Finding, location_from_text, relative_location
+from tests.broken_models import TARGETS
+
+ROOT = Path(__file__).resolve().parents[1]
+CLEAN = "eplb_graph.models:audit_target"
+
+
+@functools.cache
+def _audit(spec: str) -> AuditReport:
+    target = load_target(spec)
+    return run_audit(target.fn, target.example_args, target.eplb_state, target=spec)
+
+
+def _text(spec: str) -> str:
+    return _audit(spec).render_text(root=ROOT)
+
+
+def _json(spec: str) -> str:
+    return _audit(spec).to_json(root=ROOT)
+
+
+class TestAuditGoldens(expecttest.TestCase):
+    def test_clean_model_text(self):
+        self.assertExpectedInline(
+            _text(CLEAN),
+            """\
+graph audit of eplb_graph.models:audit_target
+
+checks:
+  graph_breaks   ran      explain(): 1 graph(s), 0 break(s)
+  fullgraph      ran      torch.compile(fullgraph=True) succeeded
+  host_syncs     ran      walked 1 ATen graph(s); op bodies audited: eplb_graph::map_and_record
+  recompiles     ran      steps: commit, record flag, valid-token count, offset; 0 new graph(s)
+  static_inputs  ran      EPLB tensors read by the graph: log2phy, replica_count, load, record_enabled, num_valid_tokens, offset
+  addresses      ran      7 EPLB tensors compared across: commit, record flag, valid-token count, offset
+  python_values  ran      non-tensor guards checked after: commit, record flag, valid-token count, offset
+
+no findings: graph-safe
+""",  # noqa: E501
+        )
+
+    def test_clean_model_json(self):
+        self.assertExpectedInline(
+            _json(CLEAN),
+            """\
+{
+  "checks": [
+    {
+      "findings": 0,
+      "name": "graph_breaks",
+      "note": "explain(): 1 graph(s), 0 break(s)",
+      "status": "ran"
+    },
+    {
+      "findings": 0,
+      "name": "fullgraph",
+      "note": "torch.compile(fullgraph=True) succeeded",
+      "status": "ran"
+    },
+    {
+      "findings": 0,
+      "name": "host_syncs",
+      "note": "walked 1 ATen graph(s); op bodies audited: eplb_graph::map_and_record",
+      "status": "ran"
+    },
+    {
+      "findings": 0,
+      "name": "recompiles",
+      "note": "steps: commit, record flag, valid-token count, offset; 0 new graph(s)",
+      "status": "ran"
+    },
+    {
+      "findings": 0,
+      "name": "static_inputs",
+      "note": "EPLB tensors read by the graph: log2phy, replica_count, load, record_enabled, num_valid_tokens, offset",
+      "status": "ran"
+    },
+    {
+      "findings": 0,
+      "name": "addresses",
+      "note": "7 EPLB tensors compared across: commit, record flag, valid-token count, offset",
+      "status": "ran"
+    },
+    {
+      "findings": 0,
+      "name": "python_values",
+      "note": "non-tensor guards checked after: commit, record flag, valid-token count, offset",
+      "status": "ran"
+    }
+  ],
+  "clean": true,
+  "findings": [],
+  "schema_version": 1,
+  "target": "eplb_graph.models:audit_target"
+}
+""",  # noqa: E501
+        )
+
+    def test_host_sync_text(self):
+        self.assertExpectedInline(
+            _text(TARGETS["host_sync"]),
+            """\
+graph audit of tests.broken_models:host_sync_target
+
+checks:
+  graph_breaks   ran      explain(): 2 graph(s), 1 break(s)
+  fullgraph      ran      torch.compile(fullgraph=True) succeeded; explain() saw 1 break(s): the two disagree
+  host_syncs     ran      walked 1 ATen graph(s); op bodies audited: eplb_graph::map_and_record
+  recompiles     ran      steps: commit, record flag, valid-token count, offset; 0 new graph(s)
+  static_inputs  ran      EPLB tensors read by the graph: log2phy, replica_count, load, record_enabled, num_valid_tokens, offset
+  addresses      ran      7 EPLB tensors compared across: commit, record flag, valid-token count, offset
+  python_values  ran      non-tensor guards checked after: commit, record flag, valid-token count, offset
+
+KIND         LOCATION                   MESSAGE
+graph_break  tests/broken_models.py:73  graph break: Unsupported Tensor.item() call with capture_scalar_outputs=False
+                                        -> Dynamo does not support tracing `Tensor.item()` with config.capture_scalar_outputs=False.
+host_sync    tests/broken_models.py:73  aten._local_scalar_dense reads a device value on the host
+
+2 findings: not graph-safe
+""",  # noqa: E501
+        )
+
+    def test_host_sync_json(self):
+        self.assertExpectedInline(
+            _json(TARGETS["host_sync"]),
+            """\
+{
+  "checks": [
+    {
+      "findings": 1,
+      "name": "graph_breaks",
+      "note": "explain(): 2 graph(s), 1 break(s)",
+      "status": "ran"
+    },
+    {
+      "findings": 0,
+      "name": "fullgraph",
+      "note": "torch.compile(fullgraph=True) succeeded; explain() saw 1 break(s): the two disagree",
+      "status": "ran"
+    },
+    {
+      "findings": 1,
+      "name": "host_syncs",
+      "note": "walked 1 ATen graph(s); op bodies audited: eplb_graph::map_and_record",
+      "status": "ran"
+    },
+    {
+      "findings": 0,
+      "name": "recompiles",
+      "note": "steps: commit, record flag, valid-token count, offset; 0 new graph(s)",
+      "status": "ran"
+    },
+    {
+      "findings": 0,
+      "name": "static_inputs",
+      "note": "EPLB tensors read by the graph: log2phy, replica_count, load, record_enabled, num_valid_tokens, offset",
+      "status": "ran"
+    },
+    {
+      "findings": 0,
+      "name": "addresses",
+      "note": "7 EPLB tensors compared across: commit, record flag, valid-token count, offset",
+      "status": "ran"
+    },
+    {
+      "findings": 0,
+      "name": "python_values",
+      "note": "non-tensor guards checked after: commit, record flag, valid-token count, offset",
+      "status": "ran"
+    }
+  ],
+  "clean": false,
+  "findings": [
+    {
+      "check": "graph_breaks",
+      "detail": "Dynamo does not support tracing `Tensor.item()` with config.capture_scalar_outputs=False.",
+      "kind": "graph_break",
+      "location": "tests/broken_models.py:73",
+      "message": "graph break: Unsupported Tensor.item() call with capture_scalar_outputs=False"
+    },
+    {
+      "check": "host_syncs",
+      "detail": "",
+      "kind": "host_sync",
+      "location": "tests/broken_models.py:73",
+      "message": "aten._local_scalar_dense reads a device value on the host"
+    }
+  ],
+  "schema_version": 1,
+  "target": "tests.broken_models:host_sync_target"
+}
+""",  # noqa: E501
+        )
+
+    def test_python_int_valid_count_text(self):
+        self.assertExpectedInline(
+            _text(TARGETS["python_int_valid_count"]),
+            """\
+graph audit of tests.broken_models:python_int_valid_count_target
+
+checks:
+  graph_breaks   ran      explain(): 1 graph(s), 0 break(s)
+  fullgraph      ran      torch.compile(fullgraph=True) succeeded
+  host_syncs     ran      walked 1 ATen graph(s); op bodies audited: eplb_graph::map_and_record
+  recompiles     ran      steps: commit, record flag, valid-token count, offset; 1 new graph(s)
+  static_inputs  ran      EPLB tensors read by the graph: log2phy, replica_count, load, record_enabled, offset
+  addresses      ran      7 EPLB tensors compared across: commit, record flag, valid-token count, offset
+  python_values  ran      non-tensor guards checked after: commit, record flag, valid-token count, offset
+
+KIND          LOCATION                    MESSAGE
+recompile     tests/broken_models.py:103  recompiled after valid-token count: guard `self.state.num_valid_host == 12` failed
+python_value  tests/broken_models.py:103  routing state read from a Python value is frozen into the graph: `self.state.num_valid_host == 12` stopped holding after valid-token count
+                                          -> keep it in a device tensor of the EPLB state and update it in place
+
+2 findings: not graph-safe
+""",  # noqa: E501
+        )
+
+    def test_python_int_valid_count_json(self):
+        self.assertExpectedInline(
+            _json(TARGETS["python_int_valid_count"]),
+            """\
+{
+  "checks": [
+    {
+      "findings": 0,
+      "name": "graph_breaks",
+      "note": "explain(): 1 graph(s), 0 break(s)",
+      "status": "ran"
+    },
+    {
+      "findings": 0,
+      "name": "fullgraph",
+      "note": "torch.compile(fullgraph=True) succeeded",
+      "status": "ran"
+    },
+    {
+      "findings": 0,
+      "name": "host_syncs",
+      "note": "walked 1 ATen graph(s); op bodies audited: eplb_graph::map_and_record",
+      "status": "ran"
+    },
+    {
+      "findings": 1,
+      "name": "recompiles",
+      "note": "steps: commit, record flag, valid-token count, offset; 1 new graph(s)",
+      "status": "ran"
+    },
+    {
+      "findings": 0,
+      "name": "static_inputs",
+      "note": "EPLB tensors read by the graph: log2phy, replica_count, load, record_enabled, offset",
+      "status": "ran"
+    },
+    {
+      "findings": 0,
+      "name": "addresses",
+      "note": "7 EPLB tensors compared across: commit, record flag, valid-token count, offset",
+      "status": "ran"
+    },
+    {
+      "findings": 1,
+      "name": "python_values",
+      "note": "non-tensor guards checked after: commit, record flag, valid-token count, offset",
+      "status": "ran"
+    }
+  ],
+  "clean": false,
+  "findings": [
+    {
+      "check": "recompiles",
+      "detail": "",
+      "kind": "recompile",
+      "location": "tests/broken_models.py:103",
+      "message": "recompiled after valid-token count: guard `self.state.num_valid_host == 12` failed"
+    },
+    {
+      "check": "python_values",
+      "detail": "keep it in a device tensor of the EPLB state and update it in place",
+      "kind": "python_value",
+      "location": "tests/broken_models.py:103",
+      "message": "routing state read from a Python value is frozen into the graph: `self.state.num_valid_host == 12` stopped holding after valid-token count"
+    }
+  ],
+  "schema_version": 1,
+  "target": "tests.broken_models:python_int_valid_count_target"
+}
+""",  # noqa: E501
+        )
+
+    def test_rebinding_commit_text(self):
+        self.assertExpectedInline(
+            _text(TARGETS["rebinding_commit"]),
+            """\
+graph audit of tests.broken_models:rebinding_commit_target
+
+checks:
+  graph_breaks   ran      explain(): 1 graph(s), 0 break(s)
+  fullgraph      ran      torch.compile(fullgraph=True) succeeded
+  host_syncs     ran      walked 1 ATen graph(s); op bodies audited: eplb_graph::map_and_record
+  recompiles     ran      steps: commit, record flag, valid-token count, offset; 0 new graph(s)
+  static_inputs  ran      EPLB tensors read by the graph: log2phy, replica_count, load, record_enabled, num_valid_tokens, offset
+  addresses      ran      7 EPLB tensors compared across: commit, record flag, valid-token count, offset
+  python_values  ran      non-tensor guards checked after: commit, record flag, valid-token count, offset
+
+KIND             LOCATION                    MESSAGE
+address_changed  tests/broken_models.py:128  EPLB tensor `log2phy` changed address after commit: captured graphs keep reading the old memory
+                                             -> write the new values in place (copy_/fill_) instead of assigning a new tensor
+
+1 finding: not graph-safe
+""",  # noqa: E501
+        )
+
+    def test_rebinding_commit_json(self):
+        self.assertExpectedInline(
+            _json(TARGETS["rebinding_commit"]),
+            """\
+{
+  "checks": [
+    {
+      "findings": 0,
+      "name": "graph_breaks",
+      "note": "explain(): 1 graph(s), 0 break(s)",
+      "status": "ran"
+    },
+    {
+      "findings": 0,
+      "name": "fullgraph",
+      "note": "torch.compile(fullgraph=True) succeeded",
+      "status": "ran"
+    },
+    {
+      "findings": 0,
+      "name": "host_syncs",
+      "note": "walked 1 ATen graph(s); op bodies audited: eplb_graph::map_and_record",
+      "status": "ran"
+    },
+    {
+      "findings": 0,
+      "name": "recompiles",
+      "note": "steps: commit, record flag, valid-token count, offset; 0 new graph(s)",
+      "status": "ran"
+    },
+    {
+      "findings": 0,
+      "name": "static_inputs",
+      "note": "EPLB tensors read by the graph: log2phy, replica_count, load, record_enabled, num_valid_tokens, offset",
+      "status": "ran"
+    },
+    {
+      "findings": 1,
+      "name": "addresses",
+      "note": "7 EPLB tensors compared across: commit, record flag, valid-token count, offset",
+      "status": "ran"
+    },
+    {
+      "findings": 0,
+      "name": "python_values",
+      "note": "non-tensor guards checked after: commit, record flag, valid-token count, offset",
+      "status": "ran"
+    }
+  ],
+  "clean": false,
+  "findings": [
+    {
+      "check": "addresses",
+      "detail": "write the new values in place (copy_/fill_) instead of assigning a new tensor",
+      "kind": "address_changed",
+      "location": "tests/broken_models.py:128",
+      "message": "EPLB tensor `log2phy` changed address after commit: captured graphs keep reading the old memory"
+    }
+  ],
+  "schema_version": 1,
+  "target": "tests.broken_models:rebinding_commit_target"
+}
+""",  # noqa: E501
+        )
+
+    def test_dict_lookup_text(self):
+        self.assertExpectedInline(
+            _text(TARGETS["dict_lookup"]),
+            """\
+graph audit of tests.broken_models:dict_lookup_target
+
+checks:
+  graph_breaks   ran      explain(): 1 graph(s), 0 break(s)
+  fullgraph      ran      torch.compile(fullgraph=True) succeeded
+  host_syncs     ran      walked 1 ATen graph(s); op bodies audited: eplb_graph::map_to_physical, eplb_graph::record_load
+  recompiles     ran      steps: commit, record flag, valid-token count, offset; 1 new graph(s)
+  static_inputs  ran      EPLB tensors read by the graph: load, record_enabled, num_valid_tokens, offset
+  addresses      ran      7 EPLB tensors compared across: commit, record flag, valid-token count, offset
+  python_values  ran      non-tensor guards checked after: commit, record flag, valid-token count, offset
+
+KIND          LOCATION                    MESSAGE
+recompile     tests/broken_models.py:160  recompiled after commit: guard `self.state.first_slot[(0, 0)] == 0` failed
+python_value  tests/broken_models.py:160  routing state read from a Python value is frozen into the graph: `self.state.first_slot[(0, 0)] == 0` stopped holding after commit
+                                          -> keep it in a device tensor of the EPLB state and update it in place
+
+2 findings: not graph-safe
+""",  # noqa: E501
+        )
+
+    def test_dict_lookup_json(self):
+        self.assertExpectedInline(
+            _json(TARGETS["dict_lookup"]),
+            """\
+{
+  "checks": [
+    {
+      "findings": 0,
+      "name": "graph_breaks",
+      "note": "explain(): 1 graph(s), 0 break(s)",
+      "status": "ran"
+    },
+    {
+      "findings": 0,
+      "name": "fullgraph",
+      "note": "torch.compile(fullgraph=True) succeeded",
+      "status": "ran"
+    },
+    {
+      "findings": 0,
+      "name": "host_syncs",
+      "note": "walked 1 ATen graph(s); op bodies audited: eplb_graph::map_to_physical, eplb_graph::record_load",
+      "status": "ran"
+    },
+    {
+      "findings": 1,
+      "name": "recompiles",
+      "note": "steps: commit, record flag, valid-token count, offset; 1 new graph(s)",
+      "status": "ran"
+    },
+    {
+      "findings": 0,
+      "name": "static_inputs",
+      "note": "EPLB tensors read by the graph: load, record_enabled, num_valid_tokens, offset",
+      "status": "ran"
+    },
+    {
+      "findings": 0,
+      "name": "addresses",
+      "note": "7 EPLB tensors compared across: commit, record flag, valid-token count, offset",
+      "status": "ran"
+    },
+    {
+      "findings": 1,
+      "name": "python_values",
+      "note": "non-tensor guards checked after: commit, record flag, valid-token count, offset",
+      "status": "ran"
+    }
+  ],
+  "clean": false,
+  "findings": [
+    {
+      "check": "recompiles",
+      "detail": "",
+      "kind": "recompile",
+      "location": "tests/broken_models.py:160",
+      "message": "recompiled after commit: guard `self.state.first_slot[(0, 0)] == 0` failed"
+    },
+    {
+      "check": "python_values",
+      "detail": "keep it in a device tensor of the EPLB state and update it in place",
+      "kind": "python_value",
+      "location": "tests/broken_models.py:160",
+      "message": "routing state read from a Python value is frozen into the graph: `self.state.first_slot[(0, 0)] == 0` stopped holding after commit"
+    }
+  ],
+  "schema_version": 1,
+  "target": "tests.broken_models:dict_lookup_target"
+}
+""",  # noqa: E501
+        )
+
+
+# -- each broken sample is flagged, finding by finding ------------------------------------------
+
+
+def _kinds(spec: str) -> list[tuple[str, str]]:
+    report = _audit(spec).relative_to(ROOT)
+    return [(finding.kind, finding.location) for finding in report.findings]
+
+
+def _line_of(marker: str, path: str = "tests/broken_models.py") -> str:
+    """``path:N`` of the one line carrying ``marker`` (keeps the asserts readable)."""
+    lines = (ROOT / path).read_text().splitlines()
+    matches = [number for number, line in enumerate(lines, 1) if marker in line]
+    assert len(matches) == 1, marker
+    return f"{path}:{matches[0]}"
+
+
+def test_clean_model_is_clean_and_fast():
+    started = time.perf_counter()
+    target = load_target(CLEAN)
+    report = run_audit(target.fn, target.example_args, target.eplb_state)
+    elapsed = time.perf_counter() - started
+    assert report.clean, report.render_text(ROOT)
+    assert [check.status for check in report.checks] == ["ran"] * 7
+    assert elapsed < 60, f"audit of the project's model took {elapsed:.1f} s"
+
+
+def test_host_sync_sample_is_flagged():
+    line = _line_of("num_valid = state.num_valid_tokens.item()")
+    assert _kinds(TARGETS["host_sync"]) == [("graph_break", line), ("host_sync", line)]
+
+
+def test_python_int_valid_count_sample_is_flagged():
+    line = _line_of("state.num_valid_host, dtype")
+    assert _kinds(TARGETS["python_int_valid_count"]) == [
+        ("recompile", line),
+        ("python_value", line),
+    ]
+
+
+def test_rebinding_commit_sample_is_flagged():
+    line = _line_of("self.log2phy = fresh.to(self.device)")
+    assert _kinds(TARGETS["rebinding_commit"]) == [("address_changed", line)]
+
+
+def test_dict_lookup_sample_is_flagged():
+    line = _line_of("table = torch.tensor(slots")
+    assert _kinds(TARGETS["dict_lookup"]) == [("recompile", line), ("python_value", line)]
+
+
+# -- the checks in isolation ----------------------------------------------------------------------
+
+_FLAG = torch.tensor(True)
+
+
+def _sync_zoo(x: torch.Tensor) -> torch.Tensor:
+    mask = x > 0
+    masked = x[mask]
+    nonzero = torch.nonzero(x)
+    counts = torch.bincount((x.abs() * 3).long().flatten(), minlength=4)
+    zeroed = x.clone()
+    zeroed[mask] = 0
+    branch = torch.cond(_FLAG, lambda a: a + 1, lambda a: a - 1, (x,))
+    return masked.sum() + nonzero.sum() + counts.sum() + zeroed.sum() + branch.sum()
+
+
+def _zoo_line(text: str) -> int:
+    lines, first = __import__("inspect").getsourcelines(_sync_zoo)
+    return first + next(index for index, line in enumerate(lines) if text in line)
+
+
+def test_aten_walk_flags_masks_nonzero_bincount_and_cond_without_state():
+    report = run_audit(_sync_zoo, (torch.randn(4, 3),), None, checks=["host_syncs"])
+    found = {
+        (finding.kind, int(finding.location.rsplit(":", 1)[1]))
+        for finding in report.findings
+        if finding.location.startswith(__file__)
+    }
+    assert found == {
+        ("host_sync", _zoo_line("x[mask]")),
+        ("dynamic_shape", _zoo_line("torch.nonzero")),
+        ("dynamic_shape", _zoo_line("torch.bincount")),
+        ("host_sync", _zoo_line("zeroed[mask] = 0")),
+        ("host_sync", _zoo_line("torch.cond")),
+    }
+
+
+def test_commit_checks_are_skipped_not_failed_without_state():
+    report = run_audit(lambda x: x * 2, (torch.ones(3),), None)
+    assert report.clean
+    statuses = {check.name: check.status for check in report.checks}
+    assert statuses == {
+        "graph_breaks": "ran",
+        "fullgraph": "ran",
+        "host_syncs": "ran",
+        "recompiles": "skipped",
+        "static_inputs": "skipped",
+        "addresses": "skipped",
+        "python_values": "skipped",
+    }
+    assert "eplb_state is None" in report.as_dict()["checks"][3]["note"]
+
+
+def test_fullgraph_and_explain_are_both_reported():
+    def branches(x):
+        if x.sum() > 0:  # data-dependent branch: a break under explain, an error in fullgraph
+            return x + 1
+        return x - 1
+
+    report = run_audit(branches, (torch.ones(3),), None, checks=["graph_breaks", "fullgraph"])
+    kinds = [finding.kind for finding in report.findings]
+    assert kinds == ["graph_break", "fullgraph_failed"]
+    assert all("Data-dependent branching" in finding.message for finding in report.findings)
+
+
+def test_custom_op_bodies_are_audited(monkeypatch):
+    from custom_ops.reference import map_and_record_ref
+
+    def syncing_body(*args):
+        if bool(args[5].item() > 0):  # a host read hidden inside the op body
+            pass
+        return map_and_record_ref(*args)
+
+    monkeypatch.setitem(sync_ops._OP_BODIES, "eplb_graph::map_and_record", syncing_body)
+    target = load_target(CLEAN)
+    report = run_audit(target.fn, target.example_args, target.eplb_state, checks=["host_syncs"])
+    (finding,) = report.findings
+    assert finding.kind == "host_sync"
+    assert "inside the body of eplb_graph::map_and_record" in finding.message
+    call_site = _line_of("physical_ids = map_and_record(", "eplb_graph/models/tiny_moe.py")
+    assert finding.relative_to(ROOT).location == call_site  # the op's call site in the model
+    assert finding.detail.startswith(f"op body line: {__file__}:")
+
+
+def test_register_op_body_is_public(monkeypatch):
+    monkeypatch.setattr(sync_ops, "_OP_BODIES", dict(sync_ops._OP_BODIES))
+    register_op_body("mylib::route", len)
+    handle = torch.ops.eplb_graph.map_to_physical.default
+    assert sync_ops.op_body(handle) is sync_ops._OP_BODIES["eplb_graph::map_to_physical"]
+    assert sync_ops._OP_BODIES["mylib::route"] is len
+
+
+def test_classification_uses_op_tags():
+    aten = torch.ops.aten
+    assert sync_ops.classify_op(aten._local_scalar_dense.default)[0] == "host_sync"
+    assert sync_ops.classify_op(aten.is_nonzero.default)[0] == "host_sync"
+    assert sync_ops.classify_op(aten.equal.default)[0] == "host_sync"
+    assert sync_ops.classify_op(aten.nonzero.default)[0] == "dynamic_shape"
+    assert sync_ops.classify_op(aten.repeat_interleave.Tensor)[0] == "dynamic_shape"
+    assert sync_ops.classify_op(aten.index.Tensor, [torch.zeros(2, dtype=torch.long)]) is None
+    assert sync_ops.classify_op(aten.index.Tensor, [torch.zeros(2, dtype=torch.bool)])
+    assert sync_ops.classify_op(aten.topk.default) is None
+    assert sync_ops.classify_op(aten.scatter_add.default) is None
+
+
+def test_audit_leaves_the_state_as_it_found_it():
+    target = load_target(TARGETS["rebinding_commit"])
+    state = target.eplb_state
+    state.set_step_inputs_(7, False)
+    before = {name: tensor.clone() for name, tensor in state.graph_tensors().items()}
+    placement = state.placement
+    run_audit(target.fn, target.example_args, state)
+    assert state.placement == placement
+    for name, tensor in state.graph_tensors().items():
+        assert torch.equal(tensor, before[name]), name
+
+
+def test_alternative_placement_differs_and_keeps_replica_counts():
+    placement = eplb_graph.Placement.default(2, 8, 8, 4)
+    other = alternative_placement(placement)
+    assert other is not None and other != placement
+    assert torch.equal(other.replica_count(), placement.replica_count())
+    single = eplb_graph.Placement(torch.zeros(1, 4, dtype=torch.long), 1, 2)
+    assert alternative_placement(single) is None
+
+
+def test_locations_skip_library_frames_and_relativize():
+    torch_file = str(Path(torch.__file__).parent / "nn" / "modules" / "module.py")
+    text = f'File "{ROOT}/tests/x.py", line 3, in f\n  File "{torch_file}", line 9, in g'
+    assert location_from_text(text) == f"{ROOT}/tests/x.py:3"
+    assert relative_location(f"{ROOT}/tests/x.py:3", ROOT) == "tests/x.py:3"
+    assert relative_location("/elsewhere/y.py:4", ROOT) == "/elsewhere/y.py:4"
+    with pytest.raises(ValueError, match="unknown finding kind"):
+        Finding("typo", "check", "message", "x.py:1")
+
+
+# -- targets and the command line -----------------------------------------------------------------
+
+
+def _not_a_triple():
+    return 1, 2
+
+
+def _raises():
+    raise RuntimeError("no model today")
+
+
+def _bad_state():
+    return (lambda x: x), (torch.ones(1),), object()
+
+
+def _tensor_args():
+    return (lambda x: x), torch.ones(1), None
+
+
+def _eager_failure():
+    def fn(x):
+        raise ValueError("boom")
+
+    return fn, (torch.ones(1),), None
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("no_colon", "must look like 'package.module:callable'"),
+        ("no_such_module_xyz:target", "cannot import module 'no_such_module_xyz'"),
+        ("eplb_graph.models:missing", "has no attribute 'missing'"),
+        ("eplb_graph.models:__doc__", "is not callable"),
+        ("tests.test_audit:_not_a_triple", "must return (fn, example_args, eplb_state)"),
+        ("tests.test_audit:_raises", "raised: RuntimeError: no model today"),
+        ("tests.test_audit:_bad_state", "eplb_state must be an EplbState (or None)"),
+        ("tests.test_audit:_tensor_args", "example_args must be a tuple or list"),
+    ],
+)
+def test_bad_targets_are_usage_errors(spec, message, capsys):
+    with pytest.raises(TargetError) as error:
+        load_target(spec)
+    assert message in str(error.value)
+    assert cli.main(["audit", spec]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("eplb-graph audit: ") and message in captured.err
+    assert captured.out == ""
+
+
+def test_target_failing_eagerly_is_a_usage_error(capsys):
+    target = load_target("tests.test_audit:_eager_failure")
+    with pytest.raises(TargetRaised, match="boom"):
+        run_audit(target.fn, target.example_args, target.eplb_state)
+    assert cli.main(["audit", "tests.test_audit:_eager_failure"]) == 2
+    assert "raised when called eagerly: boom" in capsys.readouterr().err
+
+
+def test_cli_exit_codes_and_json(tmp_path, capsys):
+    path = tmp_path / "audit.json"
+    assert cli.main(["audit", "--json", str(path)]) == 0
+    assert "no findings: graph-safe" in capsys.readouterr().out
+    clean = json.loads(path.read_text())
+    assert clean["clean"] is True and clean["findings"] == []
+    assert clean["target"] == CLEAN
+    assert cli.main(["audit", TARGETS["rebinding_commit"], "--json", str(path)]) == 1
+    report = json.loads(path.read_text())
+    assert report["clean"] is False
+    assert {"kind", "message", "location"} <= set(report["findings"][0])
+    assert cli.main(["audit", CLEAN, "--json", str(tmp_path / "missing" / "x.json")]) == 2
+
+
+def test_an_audit_that_cannot_finish_is_exit_2_not_a_finding(monkeypatch, capsys):
+    def broken_audit(*args, **kwargs):
+        raise RuntimeError("audit bug")
+
+    monkeypatch.setattr("eplb_graph.audit.run_audit", broken_audit)
+    assert cli.main(["audit"]) == 2
+    assert "the audit itself failed (RuntimeError: audit bug)" in capsys.readouterr().err
+
+
+def test_tools_wrapper_runs_the_cli():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "graph_audit.py"), "not-a-target"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert "TARGET must look like" in result.stderr
