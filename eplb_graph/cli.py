@@ -177,9 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     audit.set_defaults(handler=_audit)
 
+    from eplb_graph.demo.command import add_parser as add_demo_parser
     from eplb_graph.simulate.command import add_parser as add_simulate_parser
 
     add_simulate_parser(commands)
+    add_demo_parser(commands)
     return parser
 
 

@@ -45,6 +45,7 @@ class Decision:
     commit: bool
     step: int  # max proposed step (valid when commit)
     reason: str
+    transport_failed: bool = False  # some rank's data group may be broken: all move on alike
 
 
 def default_store():
@@ -81,9 +82,22 @@ class StoreAgreement:
         name = namespace if namespace is not None else f"eplb-graph/{next(_INSTANCES)}"
         self.store = dist.PrefixStore(name, store)
 
-    def decide(self, round_key: str, *, ok: bool, proposal: int = 0, digest: int = 0) -> Decision:
-        """Vote in round ``round_key`` and return the decision for it (identical on all ranks)."""
-        self.store.set(f"{round_key}/vote/{self.rank}", f"{int(ok)},{proposal},{digest}")
+    def decide(
+        self,
+        round_key: str,
+        *,
+        ok: bool,
+        proposal: int = 0,
+        digest: int = 0,
+        transport_failed: bool = False,
+    ) -> Decision:
+        """Vote in round ``round_key`` and return the decision for it (identical on all ranks).
+
+        ``transport_failed``: this rank saw its data group fail (a timeout, a closed pair); the
+        decision then tells every rank to leave that group, so all ranks switch together.
+        """
+        vote = f"{int(ok)},{proposal},{digest},{int(transport_failed)}"
+        self.store.set(f"{round_key}/vote/{self.rank}", vote)
         if self.rank == 0:
             self._propose(round_key, self._coordinate(round_key))
         try:
@@ -97,7 +111,7 @@ class StoreAgreement:
     def veto(self, round_key: str) -> Decision:
         """Main thread at its fence: abort the round unless a decision already exists; returns
         the decision that stands (the veto, or the earlier commit/abort)."""
-        return _parse(self._propose(round_key, f"0,-1,rank {self.rank} vetoed: fence reached"))
+        return _parse(self._propose(round_key, f"0,-1,0,rank {self.rank} vetoed: fence reached"))
 
     def _propose(self, round_key: str, value: str) -> bytes:
         return self.store.compare_set(f"{round_key}/decision", "", value)
@@ -108,16 +122,18 @@ class StoreAgreement:
             self.store.wait(keys, self.vote_timeout)
         except Exception:
             missing = [k.rsplit("/", 1)[1] for k in keys if not self.store.check([k])]
-            return f"0,-1,ranks {missing} did not vote within {self.vote_timeout}"
+            # A silent rank may be stuck mid-exchange: treat its group as broken.
+            return f"0,-1,1,ranks {missing} did not vote within {self.vote_timeout}"
         votes = [self.store.get(key).decode().split(",") for key in keys]
+        transport = int(any(vote[3] == "1" for vote in votes))
         failed = [rank for rank, vote in enumerate(votes) if vote[0] != "1"]
         if failed:
-            return f"0,-1,ranks {failed} voted abort"
+            return f"0,-1,{transport},ranks {failed} voted abort"
         if len({vote[2] for vote in votes}) != 1:
-            return "0,-1,ranks planned different placements"
-        return f"1,{max(int(vote[1]) for vote in votes)},ok"
+            return f"0,-1,{transport},ranks planned different placements"
+        return f"1,{max(int(vote[1]) for vote in votes)},{transport},ok"
 
 
 def _parse(raw: bytes) -> Decision:
-    commit, step, reason = raw.decode().split(",", 2)
-    return Decision(commit == "1", int(step), reason)
+    commit, step, transport, reason = raw.decode().split(",", 3)
+    return Decision(commit == "1", int(step), reason, transport == "1")

@@ -11,9 +11,10 @@ Rules (each pinned by ``tests/test_movement_planner.py``):
   (:class:`LocalCopy`, source = its first old slot on that rank), never received.
 - A remote expert is received ONCE per destination rank; every slot of that rank that needs it is
   served from that one payload (``Receive.dst_slots``; the first gets the wire bytes).
-- Sender choice: for each ``(expert, destination rank)`` in ascending ``(expert, rank)`` order,
-  the sender is the rank holding the expert in the old placement with the fewest sends assigned so
-  far in this layer; ties are broken round-robin, starting at holder index
+- Sender choice: ``(expert, destination rank)`` copies are assigned most constrained first (fewest
+  holders, then ascending ``(expert, rank)``), each to the rank holding the expert in the old
+  placement with the fewest sends assigned so far in this layer; ties are broken round-robin,
+  starting at holder index
   ``(expert + destination) % len(holders)``. Sends carry equal bytes within a layer, so this
   balances egress over the holders instead of draining the first replica. The source slot on the
   sender is its first old slot holding the expert.
@@ -338,12 +339,19 @@ def plan_transfer(
     receives: list[list[Receive]] = [[] for _ in range(num_ranks)]
     local_copies: list[list[LocalCopy]] = [[] for _ in range(num_ranks)]
     sends_assigned = [0] * num_ranks
+    remote: list[tuple[int, int]] = []
     for expert, rank in sorted(needs):
         dst_slots = tuple(needs[(expert, rank)])
         local_source = first_old_slot.get((rank, expert))
         if local_source is not None:
             local_copies[rank].append(LocalCopy(expert, local_source, dst_slots))
-            continue
+        else:
+            remote.append((expert, rank))
+    # Most constrained first: a copy that only one rank can send is assigned before copies with
+    # a choice, so the choices can steer around the forced senders (lower busiest-sender load).
+    remote.sort(key=lambda need: (len(holders[need[0]]), need))
+    for expert, rank in remote:
+        dst_slots = tuple(needs[(expert, rank)])
         sender = _choose_sender(holders[expert], expert, rank, sends_assigned)
         sends_assigned[sender] += 1
         sends[sender].append(Send(rank, expert, first_old_slot[(sender, expert)]))

@@ -38,7 +38,11 @@ import torch.distributed as dist
 from eplb_graph.control.controller import WindowSnapshot, reduce_window
 from eplb_graph.movement.agreement import StoreAgreement, default_store
 from eplb_graph.movement.clock import StepClock
-from eplb_graph.movement.communicator import GlooStagedCommunicator, stage_reads_
+from eplb_graph.movement.communicator import (
+    GlooStagedCommunicator,
+    TransferError,
+    stage_reads_,
+)
 from eplb_graph.movement.planner import plan_transfer
 from eplb_graph.movement.staging import StagingBlock, StagingPool
 from eplb_graph.state import EplbState
@@ -211,17 +215,16 @@ class MovementWorker:
                 self.stats.errors.append(error)
                 self._outbox.put(RearrangementFinished(self._generation, -1, False, error))
 
-    def _decide(self, phase: str, *, ok: bool, proposal: int = 0, digest: int = 0):
+    def _decide(self, phase: str, **vote):
         """The coordinator's decision for this attempt's ``phase`` (see ``agreement``)."""
-        return self.agreement.decide(
-            f"{self._generation}/{phase}", ok=ok, proposal=proposal, digest=digest
-        )
+        return self.agreement.decide(f"{self._generation}/{phase}", **vote)
 
     def _rearrange(self, kind: str, payload) -> None:
         """One attempt. Data moves over the gloo group; every go/no-go and every commit step
         is a coordinator decision (``agreement``), so all ranks act alike whatever failed."""
         error: str | None = None
         group = None
+        self._transport_failed = False
         try:
             group = self.group_factory()
         except Exception as failure:
@@ -241,9 +244,11 @@ class MovementWorker:
         elif error is None:
             new = payload
         digest = _placement_digest(new) if error is None else 0
-        decision = self._decide("plan", ok=error is None, digest=digest)
+        decision = self._decide(
+            "plan", ok=error is None, digest=digest, transport_failed=self._transport_failed
+        )
         if not decision.commit:
-            self._abort(error or f"plan rejected: {decision.reason}")
+            self._abort(error or f"plan rejected: {decision.reason}", decision)
             return
         changed = [layer for layer in range(len(new)) if not torch.equal(old[layer], new[layer])]
         if not changed:
@@ -267,10 +272,16 @@ class MovementWorker:
                 self.fault_hook("agree", chunk[0])
             except Exception as failure:
                 error = f"layers {chunk}: {type(failure).__name__}: {failure}"
+                self._transport_failed |= isinstance(failure, TransferError)
             round_key = f"{self._generation}/commit/{index}"
             fence = self.clock.raise_fence(self.settings.commit_margin_steps, round_key)
             try:
-                decision = self.agreement.decide(round_key, ok=error is None, proposal=fence)
+                decision = self.agreement.decide(
+                    round_key,
+                    ok=error is None,
+                    proposal=fence,
+                    transport_failed=self._transport_failed,
+                )
             except Exception:
                 self.clock.lower_fence()
                 for item in staged:
@@ -280,7 +291,7 @@ class MovementWorker:
                 for item in staged:
                     self.pool.release(item.block)
                 self.clock.lower_fence()
-                self._abort(error or f"commit rejected: {decision.reason}")
+                self._abort(error or f"commit rejected: {decision.reason}", decision)
                 return
             for item in staged:
                 item.commit_step = decision.step
@@ -312,6 +323,7 @@ class MovementWorker:
                 self.settings.time_samples,
             )
         except Exception as failure:
+            self._transport_failed = True
             return old, f"window reduction failed: {type(failure).__name__}: {failure}"
         try:
             self.fault_hook("plan", -1)
@@ -341,7 +353,7 @@ class MovementWorker:
             raise
         return PublishedLayer(self._generation, layer, -1, rank_plan, block, prepared, received)
 
-    def _abort(self, error: str) -> None:
+    def _abort(self, error: str, decision=None) -> None:
         """Every rank reaches this for the same attempt (the decision was shared)."""
         self.stats.rearrangements_aborted += 1
         self.stats.last_error = error
@@ -350,8 +362,11 @@ class MovementWorker:
             "EPLB rearrangement %d aborted on rank %d: %s", self._generation, self.rank, error
         )
         poison = getattr(self.group_factory, "poison", None)
-        if poison is not None:
-            poison()  # gloo closes pairs on timeouts: never reuse a group an abort touched
+        # gloo closes pairs on timeouts: leave a group a transport failure touched. The flag is
+        # part of the shared decision, so every rank moves to the next group together; a veto
+        # or a policy error leaves the group healthy and in use.
+        if poison is not None and (decision is None or decision.transport_failed):
+            poison()
         self._finish(ok=False, error=error)
 
     def _finish(self, *, ok: bool, error: str | None) -> None:

@@ -1,0 +1,260 @@
+"""One rank of the end-to-end demo: what a compiled model runner does each step, with EPLB.
+
+Per step: pick the padded batch size (the captured sizes), set the batch phase and valid-token
+count, run the compiled forward, step the control plane, and let the commit scheduler install
+what the movement worker published, between forwards. An EPLB-off twin (same weights, same
+inputs, static placement) runs alongside, so balancedness and outputs compare step by step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from eplb_graph.control import ControlSettings
+from eplb_graph.demo.traffic import DemoTraffic, TrafficSpec
+from eplb_graph.models.ep_moe import CompiledRegions, EpMoEConfig, EpMoERank, ExpertCheckpoint
+from eplb_graph.movement.worker import GroupRing, MovementSettings
+from eplb_graph.placement import Placement
+from eplb_graph.progress import ProgressBar
+from eplb_graph.runtime import EplbRuntime
+from eplb_graph.state import EplbState
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    ranks: int = 4
+    steps: int = 300
+    layers: int = 4
+    experts: int = 16
+    hidden: int = 64
+    intermediate: int = 64
+    top_k: int = 2
+    redundant: int = 8
+    weight_format: str = "unquantized"
+    policy: str = "default"
+    window_size: int = 20
+    step_interval: int = 60
+    layers_per_step: int = 1
+    backend: str = "inductor"
+    buckets: tuple[int, ...] = (8, 16, 32, 64)
+    seed: int = 0
+    threads: int = 1  # torch intra-op threads per rank (ranks already share the cores)
+    progress: bool = True
+    series_points: int = 300
+
+    def __post_init__(self) -> None:
+        if self.ranks < 2:
+            raise ValueError("the demo needs expert parallelism: --ranks must be >= 2")
+        if (self.experts + self.redundant) % self.ranks != 0:
+            raise ValueError(
+                f"--experts + --redundant ({self.experts} + {self.redundant}) must be divisible "
+                f"by --ranks ({self.ranks})"
+            )
+        if self.steps < 1:
+            raise ValueError("--steps must be >= 1")
+        if max(TrafficSpec(self.experts, self.hidden).prefill_tokens) > max(self.buckets):
+            raise ValueError(f"the largest batch does not fit the largest bucket {self.buckets}")
+
+    def model_config(self) -> EpMoEConfig:
+        return EpMoEConfig(
+            num_layers=self.layers,
+            hidden=self.hidden,
+            intermediate=self.intermediate,
+            num_experts=self.experts,
+            top_k=self.top_k,
+            num_redundant=self.redundant,
+            weight_format=self.weight_format,
+            seed=self.seed,
+        )
+
+
+@dataclass
+class StepSeries:
+    step: list[int] = field(default_factory=list)
+    eplb: list[float] = field(default_factory=list)
+    baseline: list[float] = field(default_factory=list)
+    rank_load: list[list[float]] = field(default_factory=list)  # EPLB run, per rank
+
+
+def rank_loads(executed: list[torch.Tensor], counts: list[int], per_rank: int, world: int):
+    """Per layer, the (token, k) rows each rank computed: ``[L, world]`` (valid rows only)."""
+    loads = []
+    for slots in executed:  # [world, T_pad, K]
+        valid = torch.arange(slots.shape[1]).unsqueeze(0) < torch.tensor(counts).unsqueeze(1)
+        chosen = slots[valid].reshape(-1) // per_rank
+        loads.append(torch.bincount(chosen, minlength=world).to(torch.float64))
+    return torch.stack(loads)
+
+
+def balancedness(loads: torch.Tensor) -> float:
+    """Upstream formula: sum over layers of mean rank load / sum over layers of max."""
+    peak = float(loads.max(dim=1).values.sum())
+    return 0.0 if peak == 0 else float(loads.mean(dim=1).sum()) / peak
+
+
+def weight_mismatches(model: EpMoERank, checkpoint: ExpertCheckpoint, state: EplbState) -> int:
+    """Local slots whose tensors differ (bitwise) from their committed expert's checkpoint."""
+    phy2log = state.placement.phy2log
+    per_rank = model.slots_per_rank
+    bad = 0
+    for layer, tensors in enumerate(model.slot_tensors):
+        experts = phy2log[layer, model.rank * per_rank : (model.rank + 1) * per_rank]
+        expected = checkpoint.slot_tensors(layer, experts)
+        for name, tensor in tensors.items():
+            same = tensor.view(torch.uint8) == expected[name].view(torch.uint8)
+            bad += int((~same.reshape(per_rank, -1).all(dim=1)).sum())
+    return bad
+
+
+def _graph_counters() -> tuple[int, int]:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
+def run_rank(rank: int, world_size: int, options: DemoOptions) -> dict | None:
+    """Run the demo on this rank (inside an initialized default process group)."""
+    started = time.perf_counter()
+    torch.set_num_threads(options.threads)
+    config = options.model_config()
+    placement = Placement.default(options.layers, options.experts, options.redundant, world_size)
+    state = EplbState(placement, rank=rank)
+    baseline_state = EplbState(placement, rank=rank)
+    regions = CompiledRegions(config, options.backend)
+    checkpoint = ExpertCheckpoint(config)
+    model = EpMoERank(config, state, rank, world_size, regions, checkpoint)
+    baseline = EpMoERank(config, baseline_state, rank, world_size, regions, checkpoint)
+    groups = GroupRing(size=4, timeout_s=120)  # the EPLB groups: gloo, never the serving group
+    runtime = EplbRuntime(
+        state,
+        model.views,
+        ControlSettings(
+            window_size=options.window_size,
+            step_interval=options.step_interval,
+            policy=options.policy,
+        ),
+        groups,
+        rank,
+        movement=MovementSettings(layers_per_step=options.layers_per_step, commit_margin_steps=8),
+    )
+    pointers = [view.data_ptrs() for view in model.views], state.data_ptrs()
+    traffic = DemoTraffic(
+        TrafficSpec(options.experts, options.hidden, seed=options.seed), world_size
+    )
+
+    # Warm-up: compile every captured batch size once, recording off, in both models.
+    for bucket in options.buckets:
+        for twin in (model, baseline):
+            twin.state.set_step_inputs_(0, False)
+            twin.forward(torch.zeros(bucket, options.hidden))
+    state.reset_load_()
+    graphs_after_warmup, breaks_after_warmup = _graph_counters()
+    warmup_seconds = time.perf_counter() - started
+
+    series = StepSeries()
+    every = max(1, options.steps // options.series_points)
+    sums = {"eplb": 0.0, "baseline": 0.0}
+    max_abs_diff = 0.0
+    commit_steps: list[tuple[int, int]] = []
+    per_rank = state.num_slots // world_size
+    with ProgressBar(
+        options.steps, "eplb-graph demo", enabled=options.progress and rank == 0
+    ) as bar:
+        for step in range(options.steps):
+            batches = [traffic.batch_size(step, r) for r in range(world_size)]
+            counts = [count for count, _ in batches]
+            bucket = next(b for b in options.buckets if b >= max(counts))
+            count, has_prefill = batches[rank]
+            hidden = torch.zeros(bucket, options.hidden)
+            hidden[:count] = traffic.hidden(step, rank, model.topic_directions)
+
+            committed = runtime.begin_step(has_prefill=has_prefill, num_valid_tokens=count)
+            commit_steps.extend((step, layer) for layer in committed)
+            executed: list = []
+            out = model.forward(hidden, executed=executed)
+            baseline_state.set_step_inputs_(count, False)
+            executed_off: list = []
+            out_off = baseline.forward(hidden, executed=executed_off)
+            runtime.end_step()
+
+            if count:
+                diff = float((out[:count] - out_off[:count]).abs().max())
+                max_abs_diff = max(max_abs_diff, diff)
+            loads = rank_loads(executed, counts, per_rank, world_size)
+            loads_off = rank_loads(executed_off, counts, per_rank, world_size)
+            value, value_off = balancedness(loads), balancedness(loads_off)
+            sums["eplb"] += value
+            sums["baseline"] += value_off
+            if step % every == 0:
+                series.step.append(step)
+                series.eplb.append(value)
+                series.baseline.append(value_off)
+                series.rank_load.append(loads.sum(dim=0).tolist())
+            bar.update(1, suffix=f"balancedness {value:.2f} (off {value_off:.2f})")
+
+    # Idle the worker, then check movement was exact: every local slot holds, bit for bit, the
+    # checkpoint tensors (weights AND scales) of the expert the committed placement names.
+    runtime.close()
+    slot_mismatches = weight_mismatches(model, checkpoint, state)
+    metrics = runtime.metrics()
+    movement = metrics["movement"]
+    graphs_end, breaks_end = _graph_counters()
+    commit_seconds = runtime.scheduler.stats.commit_seconds
+    pointers_stable = pointers == ([v.data_ptrs() for v in model.views], state.data_ptrs())
+    # Cross-rank totals (one collective at the end, on the serving group).
+    totals = torch.tensor(
+        [
+            float(movement["bytes_received"]),
+            float(graphs_end - graphs_after_warmup),
+            float(breaks_end),
+            max_abs_diff,
+            max(commit_seconds, default=0.0),
+            float(not pointers_stable),
+            float(movement["rearrangements_aborted"]),
+            float(slot_mismatches),
+        ],
+        dtype=torch.float64,
+    )
+    summed = totals.clone()
+    dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+    dist.all_reduce(totals, op=dist.ReduceOp.MAX)
+    if rank != 0:
+        return None
+    return {
+        "balancedness_eplb": sums["eplb"] / options.steps,
+        "balancedness_baseline": sums["baseline"] / options.steps,
+        "rearrangements": movement["rearrangements_completed"],
+        "layers_committed": movement["layers_committed"],
+        "bytes_moved": int(summed[0]),
+        "recompiles": int(totals[1]),
+        "graph_breaks": int(totals[2]),
+        "max_abs_diff": float(totals[3]),
+        "steps": options.steps,
+        "ranks": world_size,
+        "commit_latency_ms": {
+            "mean": 1e3 * sum(commit_seconds) / max(1, len(commit_seconds)),
+            "max": 1e3 * float(totals[4]),
+        },
+        "aborted": int(totals[6]),
+        "addresses_stable": not bool(totals[5]),
+        "weights_exact": int(summed[7]) == 0,
+        "vetoes": movement["vetoes"],
+        "commit_steps": commit_steps,
+        "options": {
+            k: (list(v) if isinstance(v, tuple) else v)
+            for k, v in dataclasses.asdict(options).items()
+        },
+        "series": dataclasses.asdict(series),
+        "warmup_seconds": warmup_seconds,
+        "wall_seconds": time.perf_counter() - started,
+        "graphs_after_warmup": graphs_after_warmup,
+        "graph_breaks_after_warmup": breaks_end - breaks_after_warmup,
+    }

@@ -1,0 +1,111 @@
+"""The end-to-end demo at small size (spawned gloo ranks) and under torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eplb_graph import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--steps", "90", "--layers", "2", "--window-size", "12", "--step-interval", "40"]
+
+
+def _run_demo(tmp_path, *extra) -> dict:
+    path = tmp_path / "demo.json"
+    code = cli.main(["demo", "--ranks", "4", *SMALL, "--json", str(path), "--no-plot", *extra])
+    assert code == 0
+    return json.loads(path.read_text())
+
+
+def _assert_demo_healthy(report: dict) -> None:
+    stable_keys = {
+        "balancedness_eplb",
+        "balancedness_baseline",
+        "rearrangements",
+        "layers_committed",
+        "bytes_moved",
+        "recompiles",
+        "graph_breaks",
+        "max_abs_diff",
+        "steps",
+        "ranks",
+    }
+    assert stable_keys <= set(report)
+    assert report["balancedness_eplb"] > report["balancedness_baseline"]
+    assert report["rearrangements"] >= 1
+    assert report["layers_committed"] >= 1
+    assert report["bytes_moved"] > 0
+    assert report["recompiles"] == 0
+    assert report["graph_breaks"] == 0
+    assert report["weights_exact"] is True
+    assert report["addresses_stable"] is True
+    assert report["aborted"] == 0
+
+
+@pytest.mark.multiprocess
+def test_demo_unquantized_balances_better_and_matches_eplb_off_exactly(tmp_path):
+    report = _run_demo(tmp_path)
+    _assert_demo_healthy(report)
+    assert report["max_abs_diff"] == 0.0
+    assert (report["steps"], report["ranks"]) == (90, 4)
+
+
+@pytest.mark.multiprocess
+def test_demo_w8a8_moves_int8_weights_and_scales_exactly(tmp_path):
+    report = _run_demo(tmp_path, "--format", "w8a8")
+    _assert_demo_healthy(report)
+    # Documented tolerance of the demo's W8A8 kernel across replicas: exact (per-token
+    # activation quantization, exact integer products), so EPLB on equals EPLB off.
+    assert report["max_abs_diff"] == 0.0
+
+
+def test_demo_rejects_bad_options_before_spawning(capsys):
+    assert cli.main(["demo", "--ranks", "3", "--experts", "16", "--redundant", "4"]) == 2
+    assert "must be divisible by --ranks" in capsys.readouterr().err
+    assert cli.main(["demo", "--ranks", "1"]) == 2
+    assert "--ranks must be >= 2" in capsys.readouterr().err
+    assert cli.main(["demo", "--policy", "nope"]) == 2
+    assert "unknown EPLB policy 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.multiprocess
+def test_demo_under_torchrun_with_two_processes(tmp_path):
+    torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
+    path = tmp_path / "torchrun.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    result = subprocess.run(
+        [
+            torchrun,
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "eplb_graph.demo",
+            *SMALL,
+            "--experts",
+            "8",
+            "--redundant",
+            "4",
+            "--json",
+            str(path),
+            "--no-plot",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(path.read_text())
+    assert report["ranks"] == 2
+    _assert_demo_healthy(report)
+    assert report["max_abs_diff"] == 0.0
