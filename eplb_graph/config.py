@@ -238,7 +238,7 @@ class EplbConfig(_Validated):
     step_interval: int = _option(3000, minimum=1, doc="steps between rearrangements")
     num_redundant_experts: int = _option(0, minimum=0, doc="extra physical slots")
     log_balancedness: bool = _option(False, doc="log the balancedness metric")
-    log_balancedness_interval: int = _option(1, minimum=1, doc="log every n rearrangement steps")
+    log_balancedness_interval: int = _option(1, minimum=1, doc="log every n steps")
     use_async: bool = _option(True, doc="plan and move weights on a worker thread")
     policy: str = _option("default", doc="registered rebalance policy name")
     communicator: str | None = _option(

@@ -33,9 +33,13 @@ def serving_backend() -> str:
     return "gloo"
 
 
-def run_under_torchrun(fn: Callable, *args, timeout_s: float = 600.0):
-    """This process is one torchrun rank: init env:// and run ``fn(rank, world, *args)``."""
-    dist.init_process_group(serving_backend(), timeout=timedelta(seconds=timeout_s))
+def run_under_torchrun(fn: Callable, *args, backend: str | None = None, timeout_s: float = 600.0):
+    """This process is one torchrun rank: init env:// and run ``fn(rank, world, *args)``.
+
+    ``backend``: the serving group's backend; default :func:`serving_backend` (the device's).
+    A job whose serving tensors live on the CPU (the demo) must pass ``"gloo"``.
+    """
+    dist.init_process_group(backend or serving_backend(), timeout=timedelta(seconds=timeout_s))
     try:
         return fn(dist.get_rank(), dist.get_world_size(), *args)
     finally:

@@ -17,8 +17,14 @@ import logging
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
-from eplb_graph.control import ControlSettings, EplbController, process_group_reducer
+from eplb_graph.control import (
+    ControlSettings,
+    EplbController,
+    local_reducer,
+    process_group_reducer,
+)
 from eplb_graph.control.planning import PolicyPlanner
 from eplb_graph.movement.clock import StepClock
 from eplb_graph.movement.scheduler import CommitScheduler
@@ -95,7 +101,13 @@ class EplbRuntime:
                 fault_hook=fault_hook,
             )
             self.scheduler = CommitScheduler(state, self.views, self.worker, self.pool, self.clock)
-            self.controller = EplbController(state, control, handoff=self._handoff)
+            # The balancedness log (opt-in) sums recent load across ranks on the main thread,
+            # at logging steps only, over a gloo group of its own (never the serving group or
+            # the worker's).
+            reduce = local_reducer
+            if control.log_balancedness and dist.is_initialized() and state.num_ranks > 1:
+                reduce = process_group_reducer(dist.new_group(backend="gloo"))
+            self.controller = EplbController(state, control, handoff=self._handoff, reduce=reduce)
         else:
             self.worker = None
             self.scheduler = None
@@ -180,6 +192,8 @@ class EplbRuntime:
                 "fence_timeouts": s.fence_timeouts,
                 "vetoes": self.clock.vetoes,
                 "last_error": w.last_error,
+                "last_hotness": w.last_hotness,
+                "policy_seconds": w.policy_seconds,
                 "worker_alive": self.worker.alive,
             }
         else:

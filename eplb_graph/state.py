@@ -87,7 +87,9 @@ class EplbState:
         self._snapshot: torch.Tensor | None = None
 
         def alloc(host: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-            return host.to(device=device, dtype=dtype).contiguous()
+            # copy=True: never alias the caller's tensors (a Placement is a value; commits
+            # write these buffers in place).
+            return host.to(device=device, dtype=dtype, copy=True).contiguous()
 
         self.log2phy = alloc(log2phy_host, index_dtype)
         self.replica_count = alloc(placement.replica_count(), index_dtype)

@@ -187,3 +187,35 @@ def test_settings_from_v2_config_cap_the_window_at_the_interval():
     assert (settings.num_groups, settings.num_nodes) == (4, 2)
     controller = EplbController(_state(), ControlSettings(window_size=50, step_interval=8))
     assert controller.window.window_size == 8
+
+
+def test_window_close_reports_current_and_planned_hotness():
+    """The monitoring snapshot carries the peak-to-mean report of the committed placement and
+    of the plan under the window's load."""
+    state = _state(layers=1, experts=4, redundant=4, ranks=2)  # slots: [0 1 2 3 | 0 1 2 3]
+    better = torch.tensor([[0, 1, 2, 0, 3, 0, 1, 2]])  # any valid plan to report on
+    controller = EplbController(
+        state, ControlSettings(window_size=4, step_interval=8), planner=lambda load: better
+    )
+    for _ in range(2):
+        controller.begin_step(has_prefill=False, num_valid_tokens=4)
+        ids = torch.tensor([[0, 1], [0, 2], [0, 3], [0, 0]])
+        torch.ops.eplb_graph.map_and_record(
+            ids,
+            state.log2phy[0],
+            state.replica_count[0],
+            state.offset,
+            state.load[0],
+            state.num_valid_tokens,
+            state.record_enabled,
+        )
+        controller.end_step()
+    hotness = controller.snapshot()["last_hotness"]
+    assert set(hotness) >= {
+        "current_peak_to_mean_mean",
+        "updated_peak_to_mean_max",
+        "current_balancedness",
+        "updated_balancedness",
+    }
+    assert hotness["current_peak_to_mean_max"] >= 1.0
+    assert hotness["updated_balancedness"] > 0.0

@@ -109,3 +109,22 @@ def test_demo_under_torchrun_with_two_processes(tmp_path):
     assert report["ranks"] == 2
     _assert_demo_healthy(report)
     assert report["max_abs_diff"] == 0.0
+
+
+def test_demo_exit_status_reflects_its_guarantees():
+    from eplb_graph.demo.command import violated_guarantees
+
+    healthy = {
+        "recompiles": 0,
+        "graph_breaks": 0,
+        "weights_exact": True,
+        "addresses_stable": True,
+        "max_abs_diff": 0.0,
+    }
+    assert violated_guarantees(healthy) == []
+    broken = dict(healthy, recompiles=2, max_abs_diff=1e-3, weights_exact=False)
+    assert violated_guarantees(broken) == [
+        "2 recompiles after warm-up",
+        "moved weights differ from the checkpoint",
+        "EPLB on and off outputs differ by 0.001",
+    ]

@@ -134,3 +134,48 @@ def test_every_format_moves_exactly_and_commits_at_one_step_on_all_ranks(world_s
             assert result["layers_committed"] > 0, where
         # Every layer switched at the same step on every rank.
         assert all(r["commit_steps"] == per_rank[0]["commit_steps"] for r in per_rank), format_name
+
+
+def _sync_body(rank: int, world_size: int) -> dict:
+    import torch
+
+    import eplb_graph
+    from eplb_graph.control import ControlSettings
+    from eplb_graph.movement.worker import GroupRing
+    from eplb_graph.runtime import EplbRuntime
+    from tests.movement_fixtures import (
+        expert_payloads,
+        random_placement,
+        rank_views,
+        slot_mismatches,
+    )
+
+    placement = eplb_graph.Placement.default(LAYERS, EXPERTS, 2 * world_size, world_size)
+    state = eplb_graph.EplbState(placement, rank=rank)
+    payloads = [expert_payloads("w8a8", layer, EXPERTS) for layer in range(LAYERS)]
+    views = rank_views("w8a8", placement.phy2log, rank, world_size, payloads)
+    runtime = EplbRuntime(
+        state,
+        views,
+        ControlSettings(window_size=4, step_interval=10**6),
+        GroupRing(size=1, timeout_s=30),
+        rank,
+        use_async=False,
+    )
+    generator = torch.Generator().manual_seed(5)
+    for _ in range(ROUNDS):
+        target = random_placement(generator, LAYERS, EXPERTS, placement.num_slots)
+        runtime.rearrange_to(target)  # synchronous: done when it returns
+        assert torch.equal(state.placement.phy2log, target)
+    return {
+        "mismatches": slot_mismatches(views, state.placement.phy2log, rank, world_size, payloads),
+        "layers": runtime.metrics()["movement"]["layers_committed"],
+    }
+
+
+@pytest.mark.multiprocess
+def test_sync_mode_moves_exactly_too():
+    results = run_ranks(_sync_body, 2, timeout_s=120)
+    for result in results:
+        assert result["mismatches"] == []
+        assert result["layers"] > 0

@@ -560,3 +560,14 @@ def test_reset_load_zeroes_in_place():
     ptr = state.load.data_ptr()
     state.reset_load_()
     assert not state.load.any() and state.load.data_ptr() == ptr
+
+
+def test_state_never_aliases_the_placement_it_was_built_from():
+    """Commits write the state's buffers in place; the caller's Placement must not change."""
+    placement = Placement.default(2, 4, 4, 2)
+    before = placement.phy2log.clone()
+    state = EplbState(placement)
+    assert state.phy2log.data_ptr() != placement.phy2log.data_ptr()
+    state.commit_layer_(0, torch.tensor([3, 2, 1, 0, 0, 1, 2, 3]))
+    assert torch.equal(placement.phy2log, before)
+    assert not torch.equal(state.placement.phy2log, before)

@@ -171,6 +171,17 @@ def balancedness_of_slots(physical: torch.Tensor, num_ranks: int) -> float:
     return 0.0 if peak == 0.0 else float(per_rank.mean(dim=1).sum()) / peak
 
 
+def hotness_snapshot(load: WindowLoad, new_phy2log: torch.Tensor | None, num_ranks: int) -> dict:
+    """Peak-to-mean "expert hotness" of the committed placement and of the plan (or of the
+    committed one again when no plan was made) under the window's logical load, as plain
+    values for monitoring."""
+    from eplb_graph.policy.metrics import expert_hotness
+
+    logical = load.logical.sum(dim=0).to(torch.float64)
+    new = load.committed if new_phy2log is None else new_phy2log
+    return expert_hotness(load.committed, new, logical, num_ranks).as_dict()
+
+
 class EplbController:
     """Steps the load window and decides when to plan a rearrangement.
 
@@ -223,6 +234,7 @@ class EplbController:
         self.rearrangements_planned = 0
         self.last_report: WindowReport | None = None
         self.last_logged_balancedness: float | None = None
+        self.last_hotness: dict | None = None
         self._recording = False
         self._phase: BatchPhase | None = None
 
@@ -302,6 +314,9 @@ class EplbController:
         elapsed = time.perf_counter() - started
         report = WindowReport(load, balance, new_phy2log, elapsed)
         self.last_report = report
+        self.last_hotness = hotness_snapshot(load, new_phy2log, self.state.num_ranks)
+        if self.state.rank == 0:
+            logger.info("EPLB window closed at step %d: hotness %s", self.step, self.last_hotness)
         if new_phy2log is not None:
             self.rearrangements_planned += 1
             if self.on_plan is not None:
@@ -337,4 +352,5 @@ class EplbController:
             "last_logged_balancedness": self.last_logged_balancedness,
             "last_window_balancedness": None if report is None else report.balancedness,
             "last_planner_seconds": None if report is None else report.planner_seconds,
+            "last_hotness": self.last_hotness,
         }

@@ -31,9 +31,20 @@ class PolicyPlanner:
     options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        import inspect
+
         from eplb_graph.policy import get_policy
 
-        get_policy(self.policy)  # unknown names fail at start-up, not at the first window
+        policy = get_policy(self.policy)  # unknown names fail at start-up, not at a window
+        parameters = inspect.signature(policy).parameters.values()
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+            known = {p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
+            unknown = sorted(set(self.options) - known)
+            if unknown:
+                raise TypeError(
+                    f"policy {self.policy!r} has no option(s) {unknown}; "
+                    f"its options are {sorted(known) or 'none'}"
+                )
 
     def __call__(self, load: WindowLoad) -> torch.Tensor | None:
         from eplb_graph.policy import rebalance

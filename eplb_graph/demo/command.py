@@ -90,7 +90,9 @@ def run(args: argparse.Namespace) -> int:
         sys.stderr.write(f"eplb-graph demo: {error}\n")
         return 2
     if launched_by_torchrun():
-        report = run_under_torchrun(run_rank, options)
+        # The demo model runs on the CPU: its serving collectives use gloo even where a GPU is
+        # visible (EPLB's own groups are gloo in every case).
+        report = run_under_torchrun(run_rank, options, backend="gloo")
         if report is None:  # not rank 0: rank 0 reports
             return 0
     else:
@@ -107,4 +109,23 @@ def emit(report: dict, args: argparse.Namespace) -> int:
     if not args.no_plot:
         plot(report, args.plot)
         sys.stdout.write(f"plot: {args.plot}\n")
-    return 0
+    broken = violated_guarantees(report)
+    for problem in broken:
+        sys.stderr.write(f"eplb-graph demo: FAILED: {problem}\n")
+    return 1 if broken else 0
+
+
+def violated_guarantees(report: dict) -> list[str]:
+    """The guarantees the demo exists to show; any violation makes it exit 1."""
+    problems = []
+    if report["recompiles"]:
+        problems.append(f"{report['recompiles']} recompiles after warm-up")
+    if report["graph_breaks"]:
+        problems.append(f"{report['graph_breaks']} graph breaks")
+    if not report["weights_exact"]:
+        problems.append("moved weights differ from the checkpoint")
+    if not report["addresses_stable"]:
+        problems.append("an EPLB tensor or weight view changed address")
+    if report["max_abs_diff"] != 0.0:
+        problems.append(f"EPLB on and off outputs differ by {report['max_abs_diff']}")
+    return problems

@@ -60,6 +60,8 @@ class DemoOptions:
             )
         if self.steps < 1:
             raise ValueError("--steps must be >= 1")
+        if not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"--top-k must be in [1, --experts={self.experts}], got {self.top_k}")
         if max(TrafficSpec(self.experts, self.hidden).prefill_tokens) > max(self.buckets):
             raise ValueError(f"the largest batch does not fit the largest bucket {self.buckets}")
 

@@ -13,7 +13,8 @@ hundreds of outstanding operations from piling up on one pair.
 
 Failure: a wait that exceeds ``timeout_s`` raises :class:`TransferError`. Gloo closes the pair
 on a timeout, so every peer's next operation on this group fails fast too: the group is treated
-as poisoned and the worker builds a fresh one for the next attempt.
+as suspect: the next job probes it, and all ranks move to the next pre-built group together if
+any rank finds it broken (see ``worker``).
 """
 
 from __future__ import annotations

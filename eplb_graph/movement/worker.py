@@ -1,28 +1,31 @@
 """The asynchronous movement worker: one thread per rank, off the serving path.
 
-For each rearrangement (started by a window close in async mode, or by an explicit plan):
+Jobs (a closed window in async mode, or an explicit plan) are processed in FIFO order; every
+rank hands its worker the same jobs in the same order. For each job:
 
-1. build a fresh gloo group (a previous failure may have poisoned the last one);
-2. with a window: fold it to logical experts, all-reduce it, run the planner (the policy);
-   every rank computes the same plan from the same reduced load;
-3. layer by layer, in chunks of ``layers_per_step``: plan the transfer (pure data, identical on
+1. wait until earlier jobs' layers are installed (their sources are read from live weights);
+2. pick a healthy gloo group: every rank probes the current one and the probe outcome is a
+   shared decision (``agreement``), so all ranks leave a group a timeout broke, together;
+3. with a window: fold it to logical experts, all-reduce it on that group (always issued, with
+   zeros if the local fold failed), run the planner (the policy) locally;
+4. "plan" decision: every rank votes ok and a digest of its plan; the coordinator commits only if
+   all planned the same placement;
+5. layer by layer, in chunks of ``layers_per_step``: plan the transfer (pure data, identical on
    every rank), acquire a staging block, pack the sources, exchange with peers, prepare the
-   layer's lookup tables;
-4. agree with the peers on (a) whether every rank staged the chunk and (b) the commit step, in
-   one all-reduce, behind the clock's fence; publish the chunk for the main thread;
-5. finally agree on a finish step so every rank's main thread sees the rearrangement end at the
-   same step (the next window is only accepted after it).
+   layer's lookup tables; then a "commit" decision behind the clock's fence fixes the commit step
+   (or the main thread vetoes it if serving reaches the fence first); publish the chunk.
 
 Any error on any rank — policy, staging, exchange, timeout, a peer that stopped responding —
-makes that rank vote "abort" in the next agreement (or makes the agreement itself fail, which
-every rank sees as abort). Layers already agreed stay committed; the rest stay old on every rank:
-each layer is entirely old or entirely new. Serving never waits for any of this except at a
-raised fence, which is bounded.
+makes that rank vote abort (or miss the vote, which the coordinator treats as abort). Decisions
+are single values in the rendezvous store, so every rank acts alike: layers already published
+stay committed; the rest stay old on every rank. Serving waits only for its own worker's
+hand-over of a committed chunk, never for a peer.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import queue
 import threading
@@ -35,7 +38,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from eplb_graph.control.controller import WindowSnapshot, reduce_window
+from eplb_graph.control.controller import WindowSnapshot, hotness_snapshot, reduce_window
 from eplb_graph.movement.agreement import StoreAgreement, default_store
 from eplb_graph.movement.clock import StepClock
 from eplb_graph.movement.communicator import (
@@ -111,6 +114,7 @@ class WorkerStats:
     policy_seconds: float = 0.0
     last_error: str | None = None
     errors: list[str] = field(default_factory=list)
+    last_hotness: dict | None = None  # current vs planned peak-to-mean at the last window
 
 
 class MovementWorker:
@@ -226,7 +230,7 @@ class MovementWorker:
         group = None
         self._transport_failed = False
         try:
-            group = self.group_factory()
+            group = self._healthy_group()
         except Exception as failure:
             error = f"no movement group: {type(failure).__name__}: {failure}"
         # Earlier jobs' layers must be installed first: their sources are read from the live
@@ -248,7 +252,9 @@ class MovementWorker:
             "plan", ok=error is None, digest=digest, transport_failed=self._transport_failed
         )
         if not decision.commit:
-            self._abort(error or f"plan rejected: {decision.reason}", decision)
+            # Only plan decisions choose whether to leave the group: nobody can veto them, so
+            # the transport flag in them is the same on every rank.
+            self._abort(error or f"plan rejected: {decision.reason}", decision.transport_failed)
             return
         changed = [layer for layer in range(len(new)) if not torch.equal(old[layer], new[layer])]
         if not changed:
@@ -291,7 +297,8 @@ class MovementWorker:
                 for item in staged:
                     self.pool.release(item.block)
                 self.clock.lower_fence()
-                self._abort(error or f"commit rejected: {decision.reason}", decision)
+                # The next attempt's probe finds out whether this group survived.
+                self._abort(error or f"commit rejected: {decision.reason}", False)
                 return
             for item in staged:
                 item.commit_step = decision.step
@@ -330,6 +337,7 @@ class MovementWorker:
             started = time.perf_counter()
             new = self.planner(load) if self.planner is not None else None
             self.stats.policy_seconds += time.perf_counter() - started
+            self.stats.last_hotness = hotness_snapshot(load, new, self.state.num_ranks)
         except Exception as failure:
             return old, f"policy failed: {type(failure).__name__}: {failure}"
         return (old if new is None else new), None
@@ -353,7 +361,37 @@ class MovementWorker:
             raise
         return PublishedLayer(self._generation, layer, -1, rank_plan, block, prepared, received)
 
-    def _abort(self, error: str, decision=None) -> None:
+    def _healthy_group(self):
+        """The current gloo group if every rank can still use it, else the next healthy one.
+
+        An earlier timeout may have closed the current group's connections on some rank. Each
+        rank probes it and the probe outcome is a shared decision, so all ranks leave a broken
+        group together (and keep a healthy one, e.g. after a mere veto).
+        """
+        for attempt in itertools.count():
+            group = self.group_factory()
+            decision = self._decide(f"probe/{attempt}", ok=self._probe(group))
+            if decision.commit:
+                return group
+            logger.warning("EPLB: movement group unhealthy (%s); moving on", decision.reason)
+            poison = getattr(self.group_factory, "poison", None)
+            if poison is None:
+                raise RuntimeError(f"the movement group is unhealthy: {decision.reason}")
+            poison()
+        raise AssertionError("unreachable")
+
+    def _probe(self, group) -> bool:
+        """A one-element all-reduce: does this group still connect every rank?"""
+        try:
+            probe = torch.ones(1)
+            work = dist.all_reduce(probe, group=group, async_op=True)
+            work.wait(timedelta_s(self.settings.agree_timeout_s))
+            return True
+        except Exception as failure:
+            logger.warning("EPLB movement group probe failed on rank %d: %s", self.rank, failure)
+            return False
+
+    def _abort(self, error: str, leave_group: bool) -> None:
         """Every rank reaches this for the same attempt (the decision was shared)."""
         self.stats.rearrangements_aborted += 1
         self.stats.last_error = error
@@ -362,10 +400,10 @@ class MovementWorker:
             "EPLB rearrangement %d aborted on rank %d: %s", self._generation, self.rank, error
         )
         poison = getattr(self.group_factory, "poison", None)
-        # gloo closes pairs on timeouts: leave a group a transport failure touched. The flag is
-        # part of the shared decision, so every rank moves to the next group together; a veto
-        # or a policy error leaves the group healthy and in use.
-        if poison is not None and (decision is None or decision.transport_failed):
+        # gloo closes pairs on timeouts: leave a group a transport failure touched. The flag
+        # comes from a shared plan decision, so every rank moves to the next group together; a
+        # veto or a policy error leaves the group healthy and in use.
+        if poison is not None and leave_group:
             poison()
         self._finish(ok=False, error=error)
 

@@ -90,7 +90,7 @@ def transfers_between(old: torch.Tensor, new: torch.Tensor, num_ranks: int) -> t
 def _rank_balancedness(slot_load: torch.Tensor, num_ranks: int) -> float:
     per_rank = slot_load.reshape(slot_load.shape[0], num_ranks, -1).sum(dim=2)
     peak = float(per_rank.max(dim=1).values.sum())
-    return 1.0 if peak == 0.0 else float(per_rank.mean(dim=1).sum()) / peak
+    return 0.0 if peak == 0.0 else float(per_rank.mean(dim=1).sum()) / peak
 
 
 class _EvenSplit:

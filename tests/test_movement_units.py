@@ -1,0 +1,129 @@
+"""Single-process units of the movement plane: store decisions, vetoes, staging ownership."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from eplb_graph.control.planning import PolicyPlanner
+from eplb_graph.movement.agreement import StoreAgreement
+from eplb_graph.movement.clock import StepClock
+from eplb_graph.movement.staging import BlockState, StagingOwnershipError, StagingPool
+
+
+def _agreements(tmp_path, world=2, vote_timeout=5.0):
+    store = dist.FileStore(str(tmp_path / "store"), world)
+    return [
+        StoreAgreement(
+            store,
+            rank,
+            world,
+            vote_timeout_s=vote_timeout,
+            decision_timeout_s=10.0,
+            namespace="test",
+        )
+        for rank in range(world)
+    ]
+
+
+def _decide_all(agreements, round_key, votes):
+    results = [None] * len(agreements)
+
+    def vote(rank):
+        results[rank] = agreements[rank].decide(round_key, **votes[rank])
+
+    threads = [threading.Thread(target=vote, args=(r,)) for r in range(len(agreements))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    return results
+
+
+def test_commit_needs_every_vote_ok_and_takes_the_latest_proposed_step(tmp_path):
+    agreements = _agreements(tmp_path)
+    decisions = _decide_all(
+        agreements, "r1", [dict(ok=True, proposal=10), dict(ok=True, proposal=12)]
+    )
+    assert all(d.commit and d.step == 12 for d in decisions)
+    decisions = _decide_all(
+        agreements, "r2", [dict(ok=True, proposal=10), dict(ok=False, proposal=12)]
+    )
+    assert all(not d.commit for d in decisions)
+    assert decisions[0] == decisions[1]
+    assert "ranks [1] voted abort" in decisions[0].reason
+
+
+def test_different_plans_abort_everywhere(tmp_path):
+    agreements = _agreements(tmp_path)
+    decisions = _decide_all(agreements, "p", [dict(ok=True, digest=1), dict(ok=True, digest=2)])
+    assert all(not d.commit and "planned different" in d.reason for d in decisions)
+
+
+def test_a_veto_before_the_decision_aborts_for_every_rank(tmp_path):
+    """Rank 1's vote is late; rank 1's main thread reaches its fence first and vetoes."""
+    agreements = _agreements(tmp_path, vote_timeout=5.0)
+    results = {}
+    coordinator = threading.Thread(
+        target=lambda: results.setdefault(0, agreements[0].decide("v", ok=True, proposal=3))
+    )
+    coordinator.start()
+    veto = agreements[1].veto("v")  # main thread of rank 1
+    late = agreements[1].decide("v", ok=True, proposal=5)  # its worker, after the veto
+    coordinator.join(20)
+    assert not veto.commit and "vetoed" in veto.reason
+    assert results[0] == veto == late
+
+
+def test_a_veto_after_a_commit_returns_the_commit(tmp_path):
+    agreements = _agreements(tmp_path)
+    decisions = _decide_all(agreements, "c", [dict(ok=True, proposal=4), dict(ok=True, proposal=4)])
+    assert decisions[0].commit
+    assert agreements[1].veto("c") == decisions[0]
+
+
+def test_clock_fence_vetoes_instead_of_waiting_for_peers():
+    clock = StepClock()
+    clock.raise_fence(2, "k")
+    calls = []
+
+    class Abort:
+        commit = False
+
+    def resolve(key):
+        calls.append(key)
+        return Abort()
+
+    assert clock.enter_step(resolve, timeout_s=0.1)  # step 0 < fence 2: nothing to do
+    clock.advance()
+    clock.advance()
+    assert clock.enter_step(resolve, timeout_s=0.1) and calls == ["k"]
+    assert clock.vetoes == 1
+    assert clock.enter_step(resolve, timeout_s=0.1) and calls == ["k"]  # resolved once
+
+
+def test_staging_blocks_are_released_only_once_and_published_only_from_staging():
+    pool = StagingPool(2, slots_per_rank=3, slot_nbytes=8)
+    first = pool.acquire(layer=0)
+    second = pool.acquire(layer=1)
+    assert pool.acquire(layer=2, timeout=0.05) is None  # both taken: the worker must wait
+    pool.publish(first)
+    with pytest.raises(StagingOwnershipError):
+        pool.publish(first)
+    pool.release(first)
+    with pytest.raises(StagingOwnershipError, match="double release"):
+        pool.release(first)
+    assert pool.states() == [BlockState.FREE, BlockState.STAGING]
+    assert not pool.wait_all_free(timeout=0.05)
+    pool.release(second)
+    assert pool.wait_all_free(timeout=0.05)
+    assert first.reads.shape == (3, 8) and first.receives.dtype == torch.uint8
+
+
+def test_policy_options_are_checked_at_start_up():
+    with pytest.raises(TypeError, match=r"policy 'default' has no option\(s\) \['bogus'\]"):
+        PolicyPlanner("default", 16, 1, 1, 4, {"bogus": 1})
+    PolicyPlanner("churn_aware", 16, 1, 1, 4, {"min_gain": 0.1})
