@@ -27,7 +27,8 @@ def fill(shape, dtype, seed: int) -> torch.Tensor:
     return torch.randint(low, high, shape, generator=generator, dtype=torch.int64).to(dtype)
 
 
-def _nz(nd: torch.Tensor) -> torch.Tensor:
+def nz(nd: torch.Tensor) -> torch.Tensor:
+    """Fractal NZ with Ascend's block: 16 rows x 32 bytes."""
     return from_nd(nd, 16, 32 // nd.element_size())
 
 
@@ -66,15 +67,15 @@ def make_tensors(format_name: str, slots: int, seed: int) -> tuple[dict, dict]:
         return tensors, {"expert_dim": 1}
     elif format_name == "nz":
         tensors = {
-            "w13": _nz(fill((slots, 2 * i, h), torch.float16, next(seeds))),
-            "w2": _nz(fill((slots, h, i), torch.float16, next(seeds))),
+            "w13": nz(fill((slots, 2 * i, h), torch.float16, next(seeds))),
+            "w2": nz(fill((slots, h, i), torch.float16, next(seeds))),
             "w13_scale": fill((slots, 2 * i), torch.float32, next(seeds)),
         }
         return tensors, {"nz_names": ("w13", "w2")}
     else:
         raise ValueError(format_name)
     if format_name.endswith("_nz"):
-        tensors["w13"], tensors["w2"] = _nz(tensors["w13"]), _nz(tensors["w2"])
+        tensors["w13"], tensors["w2"] = nz(tensors["w13"]), nz(tensors["w2"])
     return tensors, {}
 
 

@@ -8,8 +8,6 @@ without NaNs, plus byte-for-byte payload comparison).
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
@@ -28,69 +26,16 @@ from eplb_graph.movement import (
     supported_formats,
     to_nd,
 )
+from tests import movement_fixtures as fixtures
+from tests.movement_fixtures import fill
 
-S, H, INTER = 4, 64, 64  # slots, hidden, intermediate (tile 16x16 fp16 and 16x32 int8 NZ blocks)
-
-
-def fill(shape, dtype, seed: int) -> torch.Tensor:
-    """Distinguishable values for one tensor of one layer (seed = layer * 100 + tensor index)."""
-    generator = torch.Generator().manual_seed(seed)
-    if dtype.is_floating_point:
-        return torch.randn(shape, generator=generator).to(dtype)
-    info = torch.iinfo(dtype)
-    low, high = max(info.min, -(2**40)), min(info.max, 2**40)
-    return torch.randint(low, high, shape, generator=generator, dtype=torch.int64).to(dtype)
-
-
-def nz(nd: torch.Tensor) -> torch.Tensor:
-    """Fractal NZ with Ascend's block: 16 rows x 32 bytes."""
-    return from_nd(nd, 16, 32 // nd.element_size())
+S = 4  # slots per view (hidden and intermediate sizes come from the shared fixtures)
+H, INTER = fixtures.HIDDEN, fixtures.INTER
 
 
 def make_tensors(format_name: str, layer: int) -> tuple[dict[str, torch.Tensor], dict]:
     """Live tensors (and options) of one layer in ``format_name``, distinguishable everywhere."""
-    seed = itertools.count(layer * 100)
-    if format_name.startswith("unquantized"):
-        t = {
-            "w13": fill((S, 2 * INTER, H), torch.bfloat16, next(seed)),
-            "w2": fill((S, H, INTER), torch.bfloat16, next(seed)),
-            "w13_bias": fill((S, 2 * INTER), torch.bfloat16, next(seed)),
-            "w2_bias": fill((S, H), torch.bfloat16, next(seed)),
-        }
-    elif format_name.startswith(("w8a8", "w4a8")):
-        pack = 2 if format_name.startswith("w4a8") else 1
-        t = {
-            "w13": fill((S, 2 * INTER, H // pack), torch.int8, next(seed)),
-            "w2": fill((S, H, INTER // pack), torch.int8, next(seed)),
-            "w13_scale": fill((S, 2 * INTER), torch.float32, next(seed)),
-            "w2_scale": fill((S, H), torch.float32, next(seed)),
-            "w13_fused_scale": fill((S, 2 * INTER), torch.int64, next(seed)),
-            "w2_fused_scale": fill((S, H), torch.int64, next(seed)),
-        }
-        if pack == 2:
-            t["w13_scale_bias"] = fill((S, 2 * INTER), torch.float32, next(seed))
-            t["w2_scale_bias"] = fill((S, H), torch.float32, next(seed))
-        t["w13_offset"] = fill((S, 2 * INTER), torch.float32, next(seed))
-        t["w2_offset"] = fill((S, H), torch.float32, next(seed))
-    elif format_name == "strided_packed":
-        t = {  # expert dim in the middle: slot e is t[:, e, :] (non-contiguous)
-            "w13": fill((H, S, 2 * INTER), torch.float16, next(seed)),
-            "w2": fill((INTER, S, H), torch.float16, next(seed)),
-            "w2_scale": fill((H, S), torch.float32, next(seed)),
-        }
-        return t, {"expert_dim": 1}
-    elif format_name == "nz":
-        t = {
-            "w13": nz(fill((S, 2 * INTER, H), torch.float16, next(seed))),
-            "w2": nz(fill((S, H, INTER), torch.float16, next(seed))),
-            "w13_scale": fill((S, 2 * INTER), torch.float32, next(seed)),
-        }
-        return t, {"nz_names": ("w13", "w2")}
-    else:
-        raise AssertionError(format_name)
-    if format_name.endswith("_nz"):
-        t["w13"], t["w2"] = nz(t["w13"]), nz(t["w2"])
-    return t, {}
+    return fixtures.make_tensors(format_name, S, seed=layer * 100)
 
 
 FORMATS = supported_formats()

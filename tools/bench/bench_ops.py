@@ -40,7 +40,6 @@ import itertools
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -51,6 +50,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from timing import measure
 
 import custom_ops
 import custom_ops.native
@@ -181,50 +182,6 @@ class RoutedLayers(torch.nn.Module):
             )
             for i in range(LAYERS)
         ]
-
-
-def calibrate(fn: Callable[[], object], sample_s: float) -> int:
-    """Calls per sample so that one sample takes about ``sample_s`` seconds."""
-    fn()
-    calls = 1
-    while True:
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        elapsed = time.perf_counter() - start
-        if elapsed >= sample_s / 4 or calls >= 1 << 16:
-            return max(1, int(calls * sample_s / max(elapsed, 1e-9)))
-        calls *= 4
-
-
-def measure(
-    fns: dict[str, Callable[[], object]], budget_s: float, sample_s: float, min_samples: int
-) -> dict[str, dict[str, float]]:
-    """Interleave samples of every variant until each has used about ``budget_s`` seconds."""
-    calls = {name: calibrate(fn, sample_s) for name, fn in fns.items()}
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    spent = dict.fromkeys(fns, 0.0)
-    clock = time.perf_counter
-    while any(spent[n] < budget_s or len(samples[n]) < min_samples for n in fns):
-        for name, fn in fns.items():
-            if spent[name] >= budget_s and len(samples[name]) >= min_samples:
-                continue
-            n = calls[name]
-            start = clock()
-            for _ in range(n):
-                fn()
-            elapsed = clock() - start
-            spent[name] += elapsed
-            samples[name].append(elapsed / n * 1e6)
-    return {
-        name: {
-            "min_us": min(values),
-            "median_us": statistics.median(values),
-            "samples": len(values),
-            "calls_per_sample": calls[name],
-        }
-        for name, values in samples.items()
-    }
 
 
 def make_inputs(state: EplbState, popularity: torch.Tensor, tokens: int, seed: int):

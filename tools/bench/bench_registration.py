@@ -29,14 +29,13 @@ import contextlib
 import json
 import os
 import platform
-import statistics
 import sys
-import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from timing import measure
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -88,45 +87,6 @@ def register_low_level() -> torch.library.Library:
     torch.library.register_fake(f"{LL}::clone4", lambda x: torch.empty_like(x), lib=lib)
     torch.library.register_fake(f"{LL}::touch4", lambda x: None, lib=lib)
     return lib
-
-
-def calibrate(fn: Callable[[], object], sample_s: float) -> int:
-    fn()
-    calls = 1
-    while True:
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        elapsed = time.perf_counter() - start
-        if elapsed >= sample_s / 4 or calls >= 1 << 16:
-            return max(1, int(calls * sample_s / max(elapsed, 1e-9)))
-        calls *= 4
-
-
-def measure(fns: dict[str, Callable[[], object]], budget_s: float, sample_s: float):
-    """Interleave samples of every variant until each has used about ``budget_s`` seconds."""
-    calls = {name: calibrate(fn, sample_s) for name, fn in fns.items()}
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    spent = dict.fromkeys(fns, 0.0)
-    clock = time.perf_counter
-    while any(spent[n] < budget_s or len(samples[n]) < 5 for n in fns):
-        for name, fn in fns.items():
-            n = calls[name]
-            start = clock()
-            for _ in range(n):
-                fn()
-            elapsed = clock() - start
-            spent[name] += elapsed
-            samples[name].append(elapsed / n * 1e6)
-    return {
-        name: {
-            "min_us": min(values),
-            "median_us": statistics.median(values),
-            "samples": len(values),
-            "calls_per_sample": calls[name],
-        }
-        for name, values in samples.items()
-    }
 
 
 def variants(co_ops) -> dict[str, Callable[[], object]]:
@@ -197,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                 torch.inference_mode() if mode == "inference_mode" else contextlib.nullcontext()
             )
             with context:
-                cells = measure(fns, budget_s=budget, sample_s=budget / 25)
+                cells = measure(fns, budget_s=budget, sample_s=budget / 25, min_samples=5)
             report["results"][str(threads)][mode] = cells
             print(f"\n== torch threads = {threads}, {mode}: per-call us ==")
             print(f"{'variant':<32} {'median':>8} {'min':>8} {'median - direct':>16}")

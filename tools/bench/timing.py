@@ -1,0 +1,55 @@
+"""Interleaved micro-benchmark timing shared by the benchmarks in this folder.
+
+Every variant is sampled in turn (not one after the other), so a burst of load from another job
+on this shared machine hits all variants alike and the ratios within one run stay meaningful.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+
+def calibrate(fn: Callable[[], object], sample_s: float) -> int:
+    """Calls per sample so that one sample takes about ``sample_s`` seconds."""
+    fn()
+    calls = 1
+    while True:
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        elapsed = time.perf_counter() - start
+        if elapsed >= sample_s / 4 or calls >= 1 << 16:
+            return max(1, int(calls * sample_s / max(elapsed, 1e-9)))
+        calls *= 4
+
+
+def measure(
+    fns: dict[str, Callable[[], object]], budget_s: float, sample_s: float, min_samples: int
+) -> dict[str, dict[str, float]]:
+    """Interleave samples of every variant until each has used about ``budget_s`` seconds."""
+    calls = {name: calibrate(fn, sample_s) for name, fn in fns.items()}
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    spent = dict.fromkeys(fns, 0.0)
+    clock = time.perf_counter
+    while any(spent[n] < budget_s or len(samples[n]) < min_samples for n in fns):
+        for name, fn in fns.items():
+            if spent[name] >= budget_s and len(samples[name]) >= min_samples:
+                continue
+            n = calls[name]
+            start = clock()
+            for _ in range(n):
+                fn()
+            elapsed = clock() - start
+            spent[name] += elapsed
+            samples[name].append(elapsed / n * 1e6)
+    return {
+        name: {
+            "min_us": min(values),
+            "median_us": statistics.median(values),
+            "samples": len(values),
+            "calls_per_sample": calls[name],
+        }
+        for name, values in samples.items()
+    }
