@@ -49,6 +49,8 @@ class EplbRuntime:
         movement: worker settings (layers per step, margins, timeouts).
         planner: overrides the policy planner built from ``control``.
         fault_hook: test-only fault injection passed to the worker.
+        record_map_path: record mode (legacy ``expert_map_record_path``): plans are written to
+            this expert-map JSON by rank 0 and never applied (async mode only).
     """
 
     def __init__(
@@ -63,6 +65,7 @@ class EplbRuntime:
         movement: MovementSettings | None = None,
         planner: Callable | None = None,
         fault_hook: Callable | None = None,
+        record_map_path: str | None = None,
     ) -> None:
         if len(views) != state.num_layers:
             raise ValueError(
@@ -99,6 +102,7 @@ class EplbRuntime:
                 planner=self.planner,
                 settings=self.movement,
                 fault_hook=fault_hook,
+                record_only_path=record_map_path,
             )
             self.scheduler = CommitScheduler(state, self.views, self.worker, self.pool, self.clock)
             # The balancedness log (opt-in) sums recent load across ranks on the main thread,
@@ -109,6 +113,8 @@ class EplbRuntime:
                 reduce = process_group_reducer(dist.new_group(backend="gloo"))
             self.controller = EplbController(state, control, handoff=self._handoff, reduce=reduce)
         else:
+            if record_map_path is not None:
+                raise ValueError("record mode (record_map_path) needs use_async=True")
             self.worker = None
             self.scheduler = None
             self.controller = EplbController(
@@ -194,6 +200,8 @@ class EplbRuntime:
                 "last_error": w.last_error,
                 "last_hotness": w.last_hotness,
                 "policy_seconds": w.policy_seconds,
+                "plans_recorded": w.plans_recorded,
+                "rearrangements_noop": w.rearrangements_noop,
                 "worker_alive": self.worker.alive,
             }
         else:

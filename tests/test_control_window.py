@@ -219,3 +219,19 @@ def test_window_close_reports_current_and_planned_hotness():
     }
     assert hotness["current_peak_to_mean_max"] >= 1.0
     assert hotness["updated_balancedness"] > 0.0
+
+
+def test_settings_from_a_legacy_config_follow_its_collection_cycle():
+    legacy = eplb_graph.LegacyEplbConfig(
+        dynamic_eplb=True,
+        expert_heat_collection_interval=400,
+        algorithm_execution_interval=50,
+        eplb_policy_type=1,
+        eplb_heat_collection_stage="decode",
+    )
+    settings = ControlSettings.from_legacy(legacy)
+    assert (settings.window_size, settings.step_interval) == (400, 450)
+    assert settings.policy == "default"
+    assert settings.load_collection_phase is CollectionPhase.DECODE
+    with pytest.raises(ValueError, match="only dynamic"):
+        ControlSettings.from_legacy(eplb_graph.LegacyEplbConfig())

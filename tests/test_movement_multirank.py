@@ -179,3 +179,59 @@ def test_sync_mode_moves_exactly_too():
     for result in results:
         assert result["mismatches"] == []
         assert result["layers"] > 0
+
+
+def _record_body(rank: int, world_size: int, path: str) -> dict:
+    import torch
+
+    import eplb_graph
+    from eplb_graph.control import ControlSettings
+    from eplb_graph.movement.worker import GroupRing, MovementSettings
+    from eplb_graph.runtime import EplbRuntime
+    from tests.movement_fixtures import expert_payloads, random_placement, rank_views
+
+    placement = eplb_graph.Placement.default(LAYERS, EXPERTS, 2 * world_size, world_size)
+    state = eplb_graph.EplbState(placement, rank=rank)
+    payloads = [expert_payloads("unquantized", layer, EXPERTS) for layer in range(LAYERS)]
+    views = rank_views("unquantized", placement.phy2log, rank, world_size, payloads)
+    before = [view.tensors()["w13"].clone() for view in views]
+    target = random_placement(torch.Generator().manual_seed(9), LAYERS, EXPERTS, 4 * world_size)
+    runtime = EplbRuntime(
+        state,
+        views,
+        ControlSettings(window_size=4, step_interval=16),  # first window closes at step 4
+        GroupRing(size=1, timeout_s=30),
+        rank,
+        movement=MovementSettings(commit_margin_steps=50),
+        planner=lambda load: target,
+        record_map_path=path,
+    )
+    lockstep = torch.zeros(1)
+    import torch.distributed as dist
+
+    for _ in range(400):
+        runtime.begin_step(has_prefill=False, num_valid_tokens=2)
+        runtime.end_step()
+        lockstep.fill_(float(runtime.metrics()["movement"]["plans_recorded"] == 0))
+        dist.all_reduce(lockstep)
+        if lockstep.item() == 0:
+            break
+    runtime.close()
+    return {
+        "placement_unchanged": bool(torch.equal(state.placement.phy2log, placement.phy2log)),
+        "weights_unchanged": all(
+            torch.equal(b, v.tensors()["w13"]) for b, v in zip(before, views, strict=True)
+        ),
+        "target": target.tolist(),
+    }
+
+
+@pytest.mark.multiprocess
+def test_record_mode_writes_the_plan_and_moves_nothing(tmp_path):
+    import eplb_graph
+
+    path = tmp_path / "recorded.json"
+    results = run_ranks(_record_body, 2, str(path), timeout_s=120)
+    assert all(r["placement_unchanged"] and r["weights_unchanged"] for r in results)
+    recorded = eplb_graph.Placement.load_expert_map(path, num_logical=EXPERTS)
+    assert recorded.phy2log.tolist() == results[0]["target"]

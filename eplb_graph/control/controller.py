@@ -79,6 +79,32 @@ class ControlSettings:
         return min(self.window_size, self.step_interval)
 
     @classmethod
+    def from_legacy(cls, config, *, num_groups: int = 1, num_nodes: int = 1, **extra):
+        """Settings from a validated :class:`eplb_graph.config.LegacyEplbConfig` (V1 keys).
+
+        vllm-ascend's cycle collects heat for ``expert_heat_collection_interval`` steps, then
+        gives the policy ``algorithm_execution_interval`` steps; here that is a window of the
+        collection length closing every collection + algorithm steps, with the same policy
+        (``eplb_policy_type``) and phase filter (``eplb_heat_collection_stage``). The layer-by-
+        layer swap phase is the movement worker's (``MovementSettings.layers_per_step``).
+        """
+        if not config.dynamic_eplb:
+            raise ValueError(
+                f"legacy EPLB mode is {config.mode!r}: only dynamic (or record) mode rebalances; "
+                "a static expert map is loaded with Placement.load_expert_map"
+            )
+        collect = config.expert_heat_collection_interval
+        return cls(
+            window_size=collect,
+            step_interval=collect + config.algorithm_execution_interval,
+            load_collection_phase=config.eplb_heat_collection_stage,
+            policy=config.policy,
+            num_groups=num_groups,
+            num_nodes=num_nodes,
+            **extra,
+        )
+
+    @classmethod
     def from_config(cls, config, *, num_groups: int = 1, num_nodes: int = 1, **extra):
         """Settings from a validated :class:`eplb_graph.config.EplbConfig` (V2 path)."""
         return cls(

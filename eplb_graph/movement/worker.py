@@ -115,6 +115,7 @@ class WorkerStats:
     last_error: str | None = None
     errors: list[str] = field(default_factory=list)
     last_hotness: dict | None = None  # current vs planned peak-to-mean at the last window
+    plans_recorded: int = 0  # record mode: plans written to the expert map, not applied
 
 
 class MovementWorker:
@@ -131,6 +132,8 @@ class MovementWorker:
         planner: ``WindowLoad -> phy2log | None`` (async mode); unused for explicit plans.
         settings: chunking, margins, timeouts.
         fault_hook: test-only fault injection.
+        record_only_path: record mode: write each agreed plan to this expert-map JSON (rank 0)
+            and never move weights or change the placement.
     """
 
     def __init__(
@@ -146,6 +149,7 @@ class MovementWorker:
         settings: MovementSettings | None = None,
         fault_hook: FaultHook | None = None,
         agreement: StoreAgreement | None = None,
+        record_only_path: str | None = None,
     ) -> None:
         if len(views) != state.num_layers:
             raise ValueError(
@@ -160,6 +164,7 @@ class MovementWorker:
         self.planner = planner
         self.settings = settings or MovementSettings()
         self.fault_hook = fault_hook or (lambda point, layer: None)
+        self.record_only_path = record_only_path
         lag = self.settings.exchange_timeout_s + self.settings.agree_timeout_s
         self.agreement = agreement or StoreAgreement(
             default_store(),
@@ -242,9 +247,14 @@ class MovementWorker:
         if kind == "window":
             rows = _copy_snapshot(payload)  # before anything else: the buffer is reused
             if rows is None:
-                error = "window snapshot was overwritten before the worker read it (worker late)"
-            elif error is None:
-                new, error = self._plan_from_window(group, payload, rows, old)
+                error = error or (
+                    "window snapshot was overwritten before the worker read it (worker late)"
+                )
+            if group is not None:
+                # The reduction is issued whatever failed locally (zeros then): a rank that
+                # skipped it would leave its peers waiting out a timeout on a healthy group.
+                new, failure = self._plan_from_window(group, payload, rows, old, error is None)
+                error = error or failure
         elif error is None:
             new = payload
         digest = _placement_digest(new) if error is None else 0
@@ -255,6 +265,10 @@ class MovementWorker:
             # Only plan decisions choose whether to leave the group: nobody can veto them, so
             # the transport flag in them is the same on every rank.
             self._abort(error or f"plan rejected: {decision.reason}", decision.transport_failed)
+            return
+        if self.record_only_path is not None:
+            self._record_plan(new)
+            self._finish(ok=True, error=None)
             return
         changed = [layer for layer in range(len(new)) if not torch.equal(old[layer], new[layer])]
         if not changed:
@@ -310,12 +324,18 @@ class MovementWorker:
         self.stats.rearrangements_completed += 1
         self._finish(ok=True, error=None)
 
-    def _plan_from_window(self, group, snapshot: WindowSnapshot, rows: torch.Tensor, old):
+    def _plan_from_window(
+        self, group, snapshot: WindowSnapshot, rows: torch.Tensor | None, old, plan: bool
+    ):
         """Reduce the window (one collective, always issued) then plan locally from ``old``.
 
+        ``rows`` None (the snapshot was lost) or ``plan`` False (an earlier local failure):
+        take part in the reduction with zeros and do not plan.
         Returns ``(new, error)``; on a local failure ``new`` is ``old`` and ``error`` says why
         (the caller votes abort).
         """
+        if rows is None:
+            rows = torch.zeros(snapshot.rows.shape, dtype=torch.int64)
 
         def reduce(tensor: torch.Tensor) -> torch.Tensor:
             work = dist.all_reduce(tensor, group=group, async_op=True)
@@ -332,6 +352,8 @@ class MovementWorker:
         except Exception as failure:
             self._transport_failed = True
             return old, f"window reduction failed: {type(failure).__name__}: {failure}"
+        if not plan:
+            return old, None
         try:
             self.fault_hook("plan", -1)
             started = time.perf_counter()
@@ -360,6 +382,22 @@ class MovementWorker:
             self.pool.release(block)
             raise
         return PublishedLayer(self._generation, layer, -1, rank_plan, block, prepared, received)
+
+    def _record_plan(self, new: torch.Tensor) -> None:
+        """Record mode (legacy ``expert_map_record_path``): the plan is written, never applied.
+
+        Rank 0 writes the map atomically (temp file + rename), so a crash never leaves a
+        half-written file.
+        """
+        from eplb_graph.placement import Placement
+
+        self.stats.plans_recorded += 1
+        if self.rank == 0:
+            placement = Placement(new, self.state.num_logical, self.state.num_ranks)
+            placement.save_expert_map(self.record_only_path)
+            logger.info(
+                "EPLB record mode: wrote the planned expert map to %s", self.record_only_path
+            )
 
     def _healthy_group(self):
         """The current gloo group if every rank can still use it, else the next healthy one.
