@@ -77,6 +77,16 @@ def test_transfer_budget_is_respected_per_layer(drift_case, fraction):
         assert torch.equal(new, old)
 
 
+def test_default_budget_is_fifteen_percent_of_slots_per_layer(drift_case):
+    old, load, experts, slots, ranks = drift_case
+    new = rebalance("churn_aware", load, slots, 1, 1, ranks, old, min_gain=0.0, min_total_gain=0.0)
+    assert_valid(new, experts, ranks)
+    moved = transfers_needed(old, new, ranks)
+    assert bool((moved <= math.floor(0.15 * slots)).all())
+    # The drift is large enough that some layer uses more than the former 10% default.
+    assert bool((moved > math.floor(0.10 * slots)).any())
+
+
 def test_byte_budget_caps_the_whole_rebalance(drift_case):
     old, load, _, slots, ranks = drift_case
     expert_bytes = 3 << 20

@@ -181,8 +181,8 @@ TARGET_TRANSFER_FRACTION = 0.15
 # name -> (policy, options); every policy but "default" re-plans from its own previous plan.
 CHURN_POLICIES = {
     "default (DeepSeek global, fresh)": ("default", {}),
-    "churn_aware (10% budget)": ("churn_aware", {}),
-    "churn_aware (15% budget)": ("churn_aware", {"max_transfer_fraction": 0.15}),
+    "churn_aware (10% budget)": ("churn_aware", {"max_transfer_fraction": 0.10}),
+    "churn_aware (15%, default)": ("churn_aware", {}),
     "swift_balance": ("swift_balance", {}),
     "flash_lb": ("flash_lb", {}),
 }
