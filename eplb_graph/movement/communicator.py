@@ -23,7 +23,6 @@ import contextlib
 from dataclasses import dataclass
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 
 from eplb_graph.movement.staging import StagingBlock
@@ -150,22 +149,3 @@ def install_layer_(view, rank_plan, block: StagingBlock) -> int:
             view.unpack_slot_(slot, source)
             written += 1
     return written
-
-
-def exchange_sync_on_group(plan, view, rank: int, group, scratch: torch.Tensor) -> int:
-    """The synchronous comparison path: stage, exchange and install one layer on the calling
-    thread through ``group`` (the device group in production; serving stalls meanwhile).
-
-    ``scratch``: uint8 ``[2 * slots_per_rank, slot_nbytes]`` on the group's device.
-    Returns bytes received.
-    """
-    rank_plan = plan.ranks[rank]
-    slots = scratch.shape[0] // 2
-    block = StagingBlock.__new__(StagingBlock)
-    block.reads, block.receives = scratch[:slots], scratch[slots:]
-    block.read_rows = {}
-    stage_reads_(view, rank_plan, block)
-    communicator = GlooStagedCommunicator(group, rank, max_batch_ops=1 << 30)
-    communicator.exchange(plan, block)
-    install_layer_(view, rank_plan, block)
-    return communicator.bytes_received
