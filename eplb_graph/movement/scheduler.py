@@ -80,11 +80,15 @@ class CommitScheduler:
         self._pending.extend(self.worker.poll())
         step = self.clock.step
         committed: list[int] = []
-        while self._pending and self._pending[0].commit_step <= step:
-            item = self._pending.popleft()
-            if isinstance(item, RearrangementFinished):
+        while self._pending:
+            item = self._pending[0]
+            if isinstance(item, RearrangementFinished):  # job over: nothing to install
+                self._pending.popleft()
                 self._finish(item)
                 continue
+            if item.commit_step > step:
+                break
+            self._pending.popleft()
             if item.commit_step < step:
                 # Unreachable while the fence protocol holds; never install late (the peers
                 # switched at item.commit_step), just report loudly.

@@ -95,10 +95,9 @@ class PublishedLayer:
 
 @dataclass
 class RearrangementFinished:
-    """End marker of one job (processed by the main thread as soon as it is polled)."""
+    """End marker of one job (processed by the main thread as soon as it is reached)."""
 
     generation: int
-    commit_step: int  # always -1: processed at once
     ok: bool
     error: str | None
 
@@ -222,7 +221,7 @@ class MovementWorker:
                 self.stats.rearrangements_aborted += 1
                 self.stats.last_error = error
                 self.stats.errors.append(error)
-                self._outbox.put(RearrangementFinished(self._generation, -1, False, error))
+                self._outbox.put(RearrangementFinished(self._generation, False, error))
 
     def _decide(self, phase: str, **vote):
         """The coordinator's decision for this attempt's ``phase`` (see ``agreement``)."""
@@ -448,7 +447,7 @@ class MovementWorker:
     def _finish(self, *, ok: bool, error: str | None) -> None:
         """Tell the main thread this job is over (it only tracks 'busy' locally: every rank
         processes every job in the same order, so nothing about it needs agreeing)."""
-        self._outbox.put(RearrangementFinished(self._generation, -1, ok, error))
+        self._outbox.put(RearrangementFinished(self._generation, ok, error))
 
 
 def timedelta_s(seconds: float) -> timedelta:

@@ -37,12 +37,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import platform
 import sys
 import time
-import traceback
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -51,7 +49,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from timing import measure
+from timing import measure, run_benchmark, write_report
 
 import custom_ops
 import custom_ops.native
@@ -462,16 +460,9 @@ def main(argv: list[str] | None = None) -> int:
             f" {target['value']:8.2f}  (goal {target['goal']})"
         )
     report["elapsed_s"] = time.perf_counter() - started
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"\nwrote {args.json}")
+    write_report(args.json, report)
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception:  # a benchmark reports, it does not fail the caller
-        traceback.print_exc()
-    sys.exit(0)
+    run_benchmark(main)

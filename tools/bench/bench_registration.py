@@ -26,16 +26,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import platform
 import sys
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from timing import measure
+from timing import measure, run_benchmark, write_report
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -175,16 +173,9 @@ def main(argv: list[str] | None = None) -> int:
                 ll = cells[f"{body} low-level"]["median_us"]
                 print(f"{body}: custom_op - low-level = {co - ll:.2f} us ({co / ll:.1f}x)")
     del lib
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"\nwrote {args.json}")
+    write_report(args.json, report)
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception:  # a benchmark reports, it does not fail the caller
-        traceback.print_exc()
-    sys.exit(0)
+    run_benchmark(main)

@@ -6,9 +6,13 @@ on this shared machine hits all variants alike and the ratios within one run sta
 
 from __future__ import annotations
 
+import json
 import statistics
+import sys
 import time
+import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 
 def calibrate(fn: Callable[[], object], sample_s: float) -> int:
@@ -53,3 +57,21 @@ def measure(
         }
         for name, values in samples.items()
     }
+
+
+def write_report(path: Path | None, report: dict) -> None:
+    """Write the ``--json`` report (parent folders created)."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nwrote {path}")
+
+
+def run_benchmark(main: Callable[[], object]) -> None:
+    """Entry point: a benchmark reports what it could; it never fails its caller."""
+    try:
+        main()
+    except Exception:
+        traceback.print_exc()
+    sys.exit(0)
