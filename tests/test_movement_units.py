@@ -8,10 +8,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from eplb_graph.control.controller import WindowLoad
 from eplb_graph.control.planning import PolicyPlanner
 from eplb_graph.movement.agreement import StoreAgreement
 from eplb_graph.movement.clock import StepClock
 from eplb_graph.movement.staging import BlockState, StagingOwnershipError, StagingPool
+from eplb_graph.policy import registry
 
 
 def _agreements(tmp_path, world=2, vote_timeout=5.0):
@@ -127,3 +129,38 @@ def test_policy_options_are_checked_at_start_up():
     with pytest.raises(TypeError, match=r"policy 'default' has no option\(s\) \['bogus'\]"):
         PolicyPlanner("default", 16, 1, 1, 4, {"bogus": 1})
     PolicyPlanner("churn_aware", 16, 1, 1, 4, {"min_gain": 0.1})
+
+
+def _window(step: int, logical: torch.Tensor, committed: torch.Tensor) -> WindowLoad:
+    return WindowLoad(step, logical, torch.zeros_like(committed), committed)
+
+
+def test_planner_hands_the_previous_window_to_policies_that_take_it(monkeypatch):
+    """The drift hedge needs the load of the window planned before; the planner keeps it, also
+    for windows it only observes (a rank that reduced a window but did not plan it)."""
+    seen = []
+
+    def with_history(
+        weight, num_replicas, num_groups, num_nodes, num_ranks, old, *, previous_weight=None
+    ):
+        seen.append(None if previous_weight is None else previous_weight.clone())
+        return old
+
+    def without_history(weight, num_replicas, num_groups, num_nodes, num_ranks, old):
+        return old
+
+    monkeypatch.setitem(registry._POLICIES, "test_history", with_history)
+    monkeypatch.setitem(registry._POLICIES, "test_no_history", without_history)
+    committed = torch.arange(8).repeat(2, 1)
+    loads = [torch.full((1, 2, 8), float(v)) for v in (1, 2, 3)]
+    planner = PolicyPlanner("test_history", 8, 1, 1, 2)
+    assert planner(_window(10, loads[0], committed)) is None  # unchanged placement
+    planner.observe(_window(20, loads[1], committed))
+    planner(_window(30, torch.zeros(1, 2, 8), committed))  # empty window: no plan, no history
+    planner(_window(40, loads[2], committed))
+    assert seen[0] is None
+    assert torch.equal(seen[1], loads[1])
+    assert len(seen) == 2
+    PolicyPlanner("test_no_history", 8, 1, 1, 2)(_window(10, loads[0], committed))  # no TypeError
+    with pytest.raises(TypeError, match=r"previous_weight.*supplied by the planner"):
+        PolicyPlanner("churn_aware", 16, 1, 1, 4, {"previous_weight": None})

@@ -12,6 +12,8 @@ import torch
 
 from eplb_graph.control.controller import WindowLoad
 
+HISTORY_OPTION = "previous_weight"
+
 
 @dataclass
 class PolicyPlanner:
@@ -21,6 +23,12 @@ class PolicyPlanner:
         policy: registered policy name (``eplb_graph.policy.policy_names()``).
         num_replicas, num_groups, num_nodes, num_ranks: the cluster shape the policy plans for.
         options: policy-specific keyword options.
+
+    A policy that takes a ``previous_weight`` keyword (``churn_aware``) also gets the load of the
+    window this planner saw before, so it can measure how much popularity drifts between
+    rebalances and hedge against it. The planner owns that history: the option cannot be set.
+    Every rank's planner must see the same windows (the plan is agreed by digest across ranks),
+    so a rank that reduces a window but does not plan it calls :meth:`observe` instead.
     """
 
     policy: str
@@ -29,6 +37,8 @@ class PolicyPlanner:
     num_nodes: int
     num_ranks: int
     options: dict = field(default_factory=dict)
+    _takes_history: bool = field(default=False, init=False, repr=False)
+    _previous: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         import inspect
@@ -36,7 +46,14 @@ class PolicyPlanner:
         from eplb_graph.policy import get_policy
 
         policy = get_policy(self.policy)  # unknown names fail at start-up, not at a window
-        parameters = inspect.signature(policy).parameters.values()
+        if HISTORY_OPTION in self.options:
+            raise TypeError(
+                f"{HISTORY_OPTION!r} is supplied by the planner (the previous window's load); "
+                "remove it from the policy options"
+            )
+        signature = inspect.signature(policy).parameters
+        self._takes_history = HISTORY_OPTION in signature
+        parameters = signature.values()
         if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
             known = {p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
             unknown = sorted(set(self.options) - known)
@@ -51,6 +68,8 @@ class PolicyPlanner:
 
         if float(load.logical.sum()) == 0.0:
             return None  # nothing was recorded: no evidence to plan on
+        history = {HISTORY_OPTION: self._previous} if self._takes_history else {}
+        self.observe(load)
         new_phy2log = rebalance(
             self.policy,
             load.logical,
@@ -60,7 +79,13 @@ class PolicyPlanner:
             self.num_ranks,
             old_phy2log=load.committed,
             **self.options,
+            **history,
         )
         if torch.equal(new_phy2log, load.committed):
             return None
         return new_phy2log
+
+    def observe(self, load: WindowLoad) -> None:
+        """Remember a window's load as the history of the next plan, without planning."""
+        if float(load.logical.sum()) != 0.0:
+            self._previous = load.logical

@@ -352,6 +352,10 @@ class MovementWorker:
             self._transport_failed = True
             return old, f"window reduction failed: {type(failure).__name__}: {failure}"
         if not plan:
+            # Keep the planner's window history the same as on the ranks that do plan.
+            observe = getattr(self.planner, "observe", None)
+            if observe is not None:
+                observe(load)
             return old, None
         try:
             self.fault_hook("plan", -1)

@@ -11,13 +11,24 @@ Algorithm (every step runs on all layers at once with numpy; Python loops only o
 1. **Predictor.** The next window's load per expert is the window's samples averaged with weights
    ``recency_decay ** age`` (the newest sample has age 0), so recent samples count more when the
    popularity drifts. With one sample it is that sample.
+
+   **Drift hedge** (:mod:`eplb_graph.policy.drift`): the plan serves the *next* window, whose
+   popularity has drifted by a factor this window cannot see. Given the previous planning
+   window's load, the policy measures the window-to-window log drift ``sigma`` and plans on the
+   predicted load shrunk in log space by ``beta = s^2 / (s^2 + sigma^2)`` (``s^2``: the layer's
+   spread of log load). Without drift nothing changes. On the drifting traces of
+   ``docs/benchmarks.md`` this is what puts the next window's balance ahead of a fresh DeepSeek
+   plan; without it the budgeted search trails DeepSeek on A1.
 2. **Replica counts.** DeepSeek's replication (one slot each, then every spare slot to the
    expert with the highest load per replica) gives the lowest achievable largest per-replica
-   load ``u*`` for the predicted load. An expert whose per-replica load exceeds
-   ``u* (1 + replica_slack)`` gets replicas back first, taken from experts that can spare one.
-   Why: under drift the rank holding the largest single replica is the likeliest to become the
-   hottest, since its load follows one expert's popularity; an expert that grew since the last
-   plan must not stay concentrated. Later edits respect the same cap when they drop a replica.
+   load ``u*``, here for the load hedged as if the drift variance were ``replica_hedge`` (3)
+   times larger: the counts decide which single replica can turn a rank hot, and the stronger
+   hedge measured best on the drifting traces (1x and 2x gain less, 4x no more). An expert
+   whose per-replica load exceeds ``u* (1 + replica_slack)`` gets replicas back first, taken
+   from experts that can spare one. Why: under drift the rank holding the largest single
+   replica is the likeliest to become the hottest, since its load follows one expert's
+   popularity; an expert that grew since the last plan must not stay concentrated. Later
+   edits respect the same cap when they drop a replica.
 3. **Local search.** Per layer, around the hottest rank ``h``:
 
    - *swap*: exchange an expert on ``h`` with an expert on another rank (counts kept);
@@ -51,7 +62,8 @@ import numpy as np
 import torch
 
 from eplb_graph.policy.deepseek import rebalance_experts, replicate_experts
-from eplb_graph.policy.registry import register_policy
+from eplb_graph.policy.drift import estimate_drift, hedge_load, shrinkage
+from eplb_graph.policy.registry import normalize_weight, register_policy
 
 __all__ = ["churn_aware_policy", "local_search", "predict_load", "transfer_budget"]
 
@@ -159,7 +171,9 @@ class _Step:
 
     Attributes: phy2log ``[A, P]``, count / load / per_replica ``[A, N]``, slot_load ``[A, P]``,
     rank_load ``[A, ranks]``, by_load ``[A, ranks]`` ranks hottest first, left ``[A]`` transfers
-    still allowed, drop_cap ``[A]`` the per-replica cap an expert must respect after losing one.
+    still allowed, drop_cap ``[A]`` the per-replica cap an expert must respect after losing one,
+    measured on ``replica_load`` (the load replica counts are planned for; default ``load``):
+    cap_per_replica ``[A, N]`` and droppable ``[A, N]``.
     """
 
     def __init__(
@@ -169,6 +183,7 @@ class _Step:
         load: np.ndarray,
         left: np.ndarray,
         drop_cap: np.ndarray,
+        replica_load: np.ndarray | None = None,
     ) -> None:
         self.slot_rank = state.slot_rank
         self.phy2log = state.phy2log[rows]
@@ -188,7 +203,11 @@ class _Step:
         self.rank_load = self.slot_load.reshape(rows.size, num_ranks, self.per_rank).sum(axis=2)
         self.by_load = np.argsort(-self.rank_load, axis=1, kind="stable")
         self.after_drop = self.load / np.maximum(self.count - 1, 1)
-        self.droppable = (self.count >= 2) & (self.after_drop <= self.drop_cap[:, None])
+        counted = self.load if replica_load is None else replica_load[rows]
+        self.cap_per_replica = counted / self.count
+        self.droppable = (self.count >= 2) & (
+            counted / np.maximum(self.count - 1, 1) <= self.drop_cap[:, None]
+        )
 
     def _flat(self, expert: np.ndarray, rank: np.ndarray) -> np.ndarray:
         rows = self.index.reshape((-1,) + (1,) * (max(np.ndim(expert), np.ndim(rank)) - 1))
@@ -520,14 +539,18 @@ class _Budget:
 
 
 def _restore_replicas_(
-    state: _Search, load: np.ndarray, replica_cap: np.ndarray, budget: _Budget
+    state: _Search,
+    load: np.ndarray,
+    replica_cap: np.ndarray,
+    budget: _Budget,
+    replica_load: np.ndarray | None = None,
 ) -> None:
     """Step 2 of the module docstring (in place): replicas back to experts above the cap.
 
     Each step, per layer, the expert with the highest per-replica load above ``replica_cap``
-    takes a slot from an expert that can spare one (>= 2 replicas, still <= cap after the drop)
-    on a rank not holding it; of those slots, the one whose rank (and the donor's other holders)
-    end up coolest, then the cheapest.
+    (both measured on ``replica_load``, default ``load``) takes a slot from an expert that can
+    spare one (>= 2 replicas, still <= cap after the drop) on a rank not holding it; of those
+    slots, the one whose rank (and the donor's other holders) end up coolest, then the cheapest.
     """
     num_layers = state.phy2log.shape[0]
     active = np.ones(num_layers, dtype=bool)
@@ -537,9 +560,9 @@ def _restore_replicas_(
         rows = np.flatnonzero(active)
         if rows.size == 0:
             break
-        step = _Step(state, rows, load, budget.left(rows), replica_cap)
-        grow = step.per_replica.argmax(axis=1)
-        excess = step.per_replica[step.index, grow] - replica_cap[rows]
+        step = _Step(state, rows, load, budget.left(rows), replica_cap, replica_load)
+        grow = step.cap_per_replica.argmax(axis=1)
+        excess = step.cap_per_replica[step.index, grow] - replica_cap[rows]
         slot_rank = np.broadcast_to(state.slot_rank, step.phy2log.shape)
         cost = step.add_cost(grow[:, None], slot_rank) - step.refund(step.phy2log, slot_rank)
         valid = (
@@ -571,6 +594,7 @@ def local_search(
     replica_cap: np.ndarray | None = None,
     per_kind: int = 8,
     max_steps: int | None = None,
+    replica_load: np.ndarray | None = None,
 ) -> np.ndarray:
     """Budgeted peak-lowering edits from ``old_phy2log`` (module docstring, steps 2-4).
 
@@ -586,6 +610,8 @@ def local_search(
         per_kind: edits per kind that are scored exactly each step.
         max_steps: cap on search steps (default ``4 * budget_per_layer + 16``; every step lowers
             a layer's peak, so the cap only bounds time spent on free edits).
+        replica_load: ``[L, N]`` load that ``replica_cap`` and replica drops are measured on
+            (default ``load``); the policy passes a more strongly hedged load (step 1).
 
     Returns:
         ``[L, P]`` int64, with ``transfers_needed(old, new) <= budget_per_layer`` per layer and
@@ -598,7 +624,7 @@ def local_search(
         drop_cap = np.full(num_layers, np.inf)
     else:
         drop_cap = replica_cap
-        _restore_replicas_(state, load, replica_cap, budget)
+        _restore_replicas_(state, load, replica_cap, budget, replica_load)
     active = np.ones(num_layers, dtype=bool)
     steps = max_steps if max_steps is not None else 4 * budget_per_layer + 16
     for _ in range(steps):
@@ -607,7 +633,7 @@ def local_search(
         rows = np.flatnonzero(active)
         if rows.size == 0:
             break
-        step = _Step(state, rows, load, budget.left(rows), drop_cap)
+        step = _Step(state, rows, load, budget.left(rows), drop_cap, replica_load)
         cand = _shortlist(step, per_kind)
         best, improves, gain = _choose(step.rank_load, _exact_rank_loads(step, cand), cand)
         cost = cand.cost[step.index, best]
@@ -652,6 +678,9 @@ def churn_aware_policy(
     replica_slack: float | None = 0.0,
     per_kind: int = 8,
     max_steps: int | None = None,
+    previous_weight: torch.Tensor | None = None,
+    drift_sigma: float | None = None,
+    replica_hedge: float = 3.0,
 ) -> torch.Tensor:
     """Registered policy ``"churn_aware"`` (see the module docstring).
 
@@ -676,11 +705,28 @@ def churn_aware_policy(
             cap (edits may then concentrate a grown expert, which costs balance under drift).
         per_kind: edits per kind scored exactly each step (more: slower, rarely better).
         max_steps: cap on local-search steps (:func:`local_search`).
+        previous_weight: ``[L, N]`` or ``[S, L, N]`` load of the previous planning window;
+            :class:`eplb_graph.control.planning.PolicyPlanner` passes it. With it, the drift
+            between the two windows is measured and hedged (step 1).
+        drift_sigma: the window-to-window log drift to hedge against; None measures it from
+            ``previous_weight`` (0 without one); 0 turns the hedge off.
+        replica_hedge: replica counts hedge as if the drift variance were this many times
+            larger (step 2); 1 hedges them like the load, 0 not at all.
 
     Returns:
         ``phy2log [L, P]`` int64.
     """
-    load = predict_load(weight, recency_decay)
+    if replica_hedge < 0:
+        raise ValueError(f"replica_hedge must be >= 0, got {replica_hedge}")
+    observed = predict_load(weight, recency_decay)
+    if drift_sigma is None:
+        drift_sigma = (
+            0.0
+            if previous_weight is None
+            else estimate_drift(normalize_weight(previous_weight).numpy(), weight.numpy())
+        )
+    load = hedge_load(observed, shrinkage(observed, drift_sigma))
+    replica_load = hedge_load(observed, shrinkage(observed, drift_sigma * replica_hedge**0.5))
     if old_phy2log is None:
         phy2log, _, _ = rebalance_experts(
             torch.from_numpy(load), num_replicas, num_groups, num_nodes, num_ranks
@@ -697,9 +743,11 @@ def churn_aware_policy(
     if replica_slack is not None:
         if replica_slack < 0:
             raise ValueError(f"replica_slack must be >= 0 or None, got {replica_slack}")
-        _, _, target = replicate_experts(load, num_replicas)
-        replica_cap = (load / target).max(axis=1) * (1.0 + replica_slack)
-    new = local_search(load, old, num_ranks, per_layer, total, replica_cap, per_kind, max_steps)
+        _, _, target = replicate_experts(replica_load, num_replicas)
+        replica_cap = (replica_load / target).max(axis=1) * (1.0 + replica_slack)
+    new = local_search(
+        load, old, num_ranks, per_layer, total, replica_cap, per_kind, max_steps, replica_load
+    )
 
     old_mean, old_peak = _mean_and_peak(old, load, num_ranks)
     new_mean, new_peak = _mean_and_peak(new, load, num_ranks)
