@@ -693,8 +693,9 @@ def churn_aware_policy(
             ``rebalance_experts`` on the predicted load, since there is nothing to keep.
         max_transfer_fraction: at most ``floor(fraction * P)`` (expert, rank) transfers per layer.
             The default 0.15 is the migration target's ceiling: on the drifting traces of
-            ``docs/benchmarks.md`` (churn section) 0.10 leaves the 5-slots-per-rank case (A1)
-            0.008 behind a fresh DeepSeek plan on the next window's balance, 0.15 about 0.003.
+            ``docs/benchmarks.md`` (churn section), with the drift hedge, 0.15 is ahead of a
+            fresh DeepSeek plan on the next window's balance on all three shapes, while 0.10
+            leaves the 5-slots-per-rank case (A1) 0.003 behind.
         max_bytes, expert_bytes: optional budget for the whole rebalance in bytes, each transfer
             costing ``expert_bytes``.
         min_gain: a layer whose predicted balancedness gains less keeps its old row.
