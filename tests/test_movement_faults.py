@@ -258,3 +258,75 @@ def test_routing_never_sees_a_lookup_whose_weights_are_not_installed():
         assert result["metrics"]["late_items"] == 0
         assert result["metrics"]["layers_committed"] >= 6
     assert results[0]["history"] == results[1]["history"]
+
+
+def _history_body(rank: int, world_size: int) -> dict:
+    """churn_aware planning from recorded load, with rank 1's first planning failing."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    fired: list = []
+
+    def fault(point: str, layer: int) -> None:
+        if point == "plan" and rank == 1 and not fired:
+            fired.append(1)
+            raise RuntimeError("injected policy failure")
+
+    window = {
+        "window_size": 4,
+        "step_interval": 400,  # closes at steps 100, 500 and 900
+        "policy": "churn_aware",
+        "policy_options": {"min_gain": 0.0, "min_total_gain": 0.0},
+    }
+    h = _harness(rank, world_size, fault=fault, window=window)
+    state, runtime = h["state"], h["runtime"]
+    generator = torch.Generator().manual_seed(7)  # the same traffic on every rank
+    lockstep = torch.zeros(1)
+    popularity = torch.tensor([8.0, 4.0, 2.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    try:
+        for step in range(1000):
+            if step % 400 == 0:  # popularity drifts between windows
+                popularity = popularity[torch.randperm(EXPERTS, generator=generator)]
+            runtime.begin_step(has_prefill=False, num_valid_tokens=8)
+            ids = torch.multinomial(popularity, 16, replacement=True, generator=generator)
+            for layer in range(LAYERS):
+                torch.ops.eplb_graph.map_and_record(
+                    ids.view(8, 2),
+                    state.log2phy[layer],
+                    state.replica_count[layer],
+                    state.offset,
+                    state.load[layer],
+                    state.num_valid_tokens,
+                    state.record_enabled,
+                )
+            time.sleep(0.001)
+            dist.all_reduce(lockstep)  # the serving collective keeps ranks in lockstep
+            runtime.end_step()
+        _, mismatches, _ = _serve_until_idle(h, rank, world_size)
+        metrics = runtime.metrics()["movement"]
+    finally:
+        runtime.close()
+    return {
+        "fired": bool(fired),
+        "aborted": metrics["rearrangements_aborted"],
+        "completed": metrics["rearrangements_completed"],
+        "mismatches": mismatches,
+        "phy2log": state.placement.phy2log.tolist(),
+    }
+
+
+@pytest.mark.multiprocess
+def test_a_failed_planning_does_not_split_the_planners_window_history():
+    """churn_aware plans from the previous window too, and ranks must plan identically (the plan
+    is agreed by digest). The worker records every reduced window in the planner's history
+    before planning, so rank 1's failed planning of the first window costs that rearrangement
+    only: the next windows are planned alike and commit."""
+    results = run_ranks(_history_body, 2, timeout_s=120)
+    assert results[1]["fired"]
+    for rank, result in enumerate(results):
+        assert result["aborted"] == 1, f"rank {rank}: {result['aborted']} aborted"
+        assert result["completed"] >= 1, f"rank {rank}: nothing committed after the failure"
+        assert result["mismatches"] == 0
+    assert results[0]["phy2log"] == results[1]["phy2log"]

@@ -157,6 +157,7 @@ def test_planner_hands_the_previous_window_to_policies_that_take_it(monkeypatch)
     assert planner(_window(10, loads[0], committed)) is None  # unchanged placement
     planner.observe(_window(20, loads[1], committed))
     planner(_window(30, torch.zeros(1, 2, 8), committed))  # empty window: no plan, no history
+    planner.observe(_window(40, loads[2], committed))  # the worker observes before planning
     planner(_window(40, loads[2], committed))
     assert seen[0] is None
     assert torch.equal(seen[1], loads[1])

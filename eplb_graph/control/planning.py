@@ -28,7 +28,7 @@ class PolicyPlanner:
     window this planner saw before, so it can measure how much popularity drifts between
     rebalances and hedge against it. The planner owns that history: the option cannot be set.
     Every rank's planner must see the same windows (the plan is agreed by digest across ranks),
-    so a rank that reduces a window but does not plan it calls :meth:`observe` instead.
+    so the worker :meth:`observe` s every window it reduces, whether it then plans it or not.
     """
 
     policy: str
@@ -38,7 +38,9 @@ class PolicyPlanner:
     num_ranks: int
     options: dict = field(default_factory=dict)
     _takes_history: bool = field(default=False, init=False, repr=False)
-    _previous: torch.Tensor | None = field(default=None, init=False, repr=False)
+    _latest_step: int | None = field(default=None, init=False, repr=False)
+    _latest: torch.Tensor | None = field(default=None, init=False, repr=False)
+    _before_latest: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         import inspect
@@ -68,8 +70,8 @@ class PolicyPlanner:
 
         if float(load.logical.sum()) == 0.0:
             return None  # nothing was recorded: no evidence to plan on
-        history = {HISTORY_OPTION: self._previous} if self._takes_history else {}
         self.observe(load)
+        history = {HISTORY_OPTION: self._before_latest} if self._takes_history else {}
         new_phy2log = rebalance(
             self.policy,
             load.logical,
@@ -86,6 +88,13 @@ class PolicyPlanner:
         return new_phy2log
 
     def observe(self, load: WindowLoad) -> None:
-        """Remember a window's load as the history of the next plan, without planning."""
-        if float(load.logical.sum()) != 0.0:
-            self._previous = load.logical
+        """Remember a window's load as the history of later plans, without planning.
+
+        Idempotent per window (keyed by its close step), so the worker can observe every reduced
+        window before planning it, and a failure anywhere in planning leaves every rank's history
+        the same. Windows with no recorded load are not history.
+        """
+        if float(load.logical.sum()) == 0.0 or load.step == self._latest_step:
+            return
+        self._before_latest, self._latest = self._latest, load.logical
+        self._latest_step = load.step

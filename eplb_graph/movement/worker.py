@@ -351,11 +351,12 @@ class MovementWorker:
         except Exception as failure:
             self._transport_failed = True
             return old, f"window reduction failed: {type(failure).__name__}: {failure}"
+        # Every rank reduced the same window: record it in the planner's history now, so that a
+        # local failure below (or no planning at all) leaves the histories equal on all ranks.
+        observe = getattr(self.planner, "observe", None)
+        if observe is not None:
+            observe(load)
         if not plan:
-            # Keep the planner's window history the same as on the ranks that do plan.
-            observe = getattr(self.planner, "observe", None)
-            if observe is not None:
-                observe(load)
             return old, None
         try:
             self.fault_hook("plan", -1)
