@@ -306,8 +306,11 @@ def test_hedge_options_are_validated(drift_case):
     old, load, _, slots, ranks = drift_case
     with pytest.raises(ValueError, match="drift_sigma"):
         rebalance("churn_aware", load, slots, 1, 1, ranks, old, drift_sigma=-1.0)
-    with pytest.raises(ValueError, match="replica_hedge"):
-        rebalance("churn_aware", load, slots, 1, 1, ranks, old, replica_hedge=-1.0)
+    with pytest.raises(ValueError, match="drift_sigma"):
+        rebalance("churn_aware", load, slots, 1, 1, ranks, old, drift_sigma=math.nan)
+    for bad in (-1.0, math.nan):
+        with pytest.raises(ValueError, match="replica_hedge"):
+            rebalance("churn_aware", load, slots, 1, 1, ranks, old, replica_hedge=bad)
     with pytest.raises(ValueError, match=r"\[L, N\]"):
         rebalance("churn_aware", load, slots, 1, 1, ranks, old, previous_weight=load[:, :10])
 

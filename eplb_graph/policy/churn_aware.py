@@ -717,8 +717,10 @@ def churn_aware_policy(
     Returns:
         ``phy2log [L, P]`` int64.
     """
-    if replica_hedge < 0:
+    if not replica_hedge >= 0:  # also rejects NaN
         raise ValueError(f"replica_hedge must be >= 0, got {replica_hedge}")
+    if drift_sigma is not None and not drift_sigma >= 0:
+        raise ValueError(f"drift_sigma must be >= 0 or None, got {drift_sigma}")
     observed = predict_load(weight, recency_decay)
     if drift_sigma is None:
         drift_sigma = (
@@ -757,10 +759,12 @@ def churn_aware_policy(
     new_peak = np.where(keep_old, old_peak, new_peak)
     total_gain = old_mean.sum() / new_peak.sum() - old_mean.sum() / old_peak.sum()
     logger.debug(
-        "churn_aware: %d of %d layers changed, predicted balancedness gain %.4f",
+        "churn_aware: %d of %d layers changed, predicted balancedness gain %.4f, "
+        "drift sigma %.3f hedged",
         int((~keep_old).sum()),
         num_layers,
         total_gain,
+        drift_sigma,
     )
     if total_gain < min_total_gain:
         return torch.from_numpy(old)
