@@ -14,6 +14,7 @@ def _rank_body(rank: int, world_size: int, phase: str) -> dict:
     import eplb_graph
     from eplb_graph.control import ControlSettings, EplbController, process_group_reducer
     from eplb_graph.policy.registry import normalize_weight
+    from tests.routing import route_and_record
 
     placement = eplb_graph.Placement.default(2, 8, 8, world_size)
     state = eplb_graph.EplbState(placement, rank=rank)
@@ -41,16 +42,7 @@ def _rank_body(rank: int, world_size: int, phase: str) -> dict:
         has_prefill = (step + rank) % 3 == 0
         ids = torch.randint(0, 8, (5, 2), generator=generator)
         controller.begin_step(has_prefill=has_prefill, num_valid_tokens=4)
-        for layer in range(2):
-            torch.ops.eplb_graph.map_and_record(
-                ids,
-                state.log2phy[layer],
-                state.replica_count[layer],
-                state.offset,
-                state.load[layer],
-                state.num_valid_tokens,
-                state.record_enabled,
-            )
+        route_and_record(state, ids)
         if bool(state.record_enabled) and 6 - 6 <= step < 6:  # closes at step 6 = 24 // 4
             for layer in range(2):
                 local_expected[layer] += torch.bincount(ids[:4].flatten(), minlength=8)

@@ -267,6 +267,8 @@ def _history_body(rank: int, world_size: int) -> dict:
     import torch
     import torch.distributed as dist
 
+    from tests.routing import route_and_record
+
     fired: list = []
 
     def fault(point: str, layer: int) -> None:
@@ -291,16 +293,7 @@ def _history_body(rank: int, world_size: int) -> dict:
                 popularity = popularity[torch.randperm(EXPERTS, generator=generator)]
             runtime.begin_step(has_prefill=False, num_valid_tokens=8)
             ids = torch.multinomial(popularity, 16, replacement=True, generator=generator)
-            for layer in range(LAYERS):
-                torch.ops.eplb_graph.map_and_record(
-                    ids.view(8, 2),
-                    state.log2phy[layer],
-                    state.replica_count[layer],
-                    state.offset,
-                    state.load[layer],
-                    state.num_valid_tokens,
-                    state.record_enabled,
-                )
+            route_and_record(state, ids.view(8, 2))
             time.sleep(0.001)
             dist.all_reduce(lockstep)  # the serving collective keeps ranks in lockstep
             runtime.end_step()
