@@ -23,7 +23,8 @@ Algorithm (every step runs on all layers at once with numpy; Python loops only o
    expert with the highest load per replica) gives the lowest achievable largest per-replica
    load ``u*``, here for the load hedged as if the drift variance were ``replica_hedge`` (3)
    times larger: the counts decide which single replica can turn a rank hot, and the stronger
-   hedge measured best on the drifting traces (1x and 2x gain less, 4x no more). An expert
+   hedge measured best on the drifting traces (2x gained less; 4x was no better overall and
+   fell behind at sigma 0.4). An expert
    whose per-replica load exceeds ``u* (1 + replica_slack)`` gets replicas back first, taken
    from experts that can spare one. Why: under drift the rank holding the largest single
    replica is the likeliest to become the hottest, since its load follows one expert's
@@ -611,7 +612,7 @@ def local_search(
         max_steps: cap on search steps (default ``4 * budget_per_layer + 16``; every step lowers
             a layer's peak, so the cap only bounds time spent on free edits).
         replica_load: ``[L, N]`` load that ``replica_cap`` and replica drops are measured on
-            (default ``load``); the policy passes a more strongly hedged load (step 1).
+            (default ``load``); the policy passes a more strongly hedged load (step 2).
 
     Returns:
         ``[L, P]`` int64, with ``transfers_needed(old, new) <= budget_per_layer`` per layer and
