@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from custom_ops._library import NAMESPACE, op_handles
+from eplb_graph.errors import EplbError
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class NativeStatus(enum.Enum):
     UNAVAILABLE = "unavailable"  # build failed: reference kernel, warning logged
 
 
-class NativeBuildError(RuntimeError):
+class NativeBuildError(EplbError, RuntimeError):
     """The native kernel was required (``EPLB_GRAPH_NATIVE=require``) but could not be built."""
 
 

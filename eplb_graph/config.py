@@ -35,6 +35,8 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from eplb_graph.errors import EplbError
+
 if TYPE_CHECKING:
     from eplb_graph.placement import Placement
 
@@ -64,7 +66,7 @@ _TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 _FALSE_WORDS = frozenset({"0", "false", "no", "off"})
 
 
-class ConfigError(ValueError):
+class ConfigError(EplbError, ValueError):
     """An EPLB setting is invalid; raised at initialization, before any state is built.
 
     Attributes:

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from eplb_graph.errors import EplbError
+
 
 def launched_by_torchrun() -> bool:
     return all(key in os.environ for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
@@ -66,7 +68,7 @@ def _spawned(rank, world_size, init_file, fn, args, result_dir, timeout_s):
         pickle.dump(result, handle)
 
 
-class RankFailed(RuntimeError):
+class RankFailed(EplbError, RuntimeError):
     """A spawned rank raised; the message carries its traceback."""
 
 

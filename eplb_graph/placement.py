@@ -13,8 +13,10 @@ from collections.abc import Sequence
 
 import torch
 
+from eplb_graph.errors import EplbError
 
-class PlacementError(ValueError):
+
+class PlacementError(EplbError, ValueError):
     """A placement (or a request to build one) is malformed; raised before anything is written."""
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from eplb_graph.errors import EplbError
 from eplb_graph.placement import Placement
 from eplb_graph.state import EplbState
 
@@ -39,11 +40,11 @@ DEVICE_GRAPH_MODES = ("cuda_graph", "npu_graph")
 ALL_GRAPH_MODES = ("compile:eager", "compile:aot_eager", "compile:inductor", *DEVICE_GRAPH_MODES)
 
 
-class GraphRegressionError(AssertionError):
+class GraphRegressionError(EplbError, AssertionError):
     """A graph recompiled, re-captured, moved an EPLB tensor, or disagreed with eager."""
 
 
-class GraphSafetyError(AssertionError):
+class GraphSafetyError(EplbError, AssertionError):
     """The audit found graph-safety defects; the message is the full findings table."""
 
     def __init__(self, message: str, report) -> None:

@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from eplb_graph.audit.checks import CHECKS, AuditContext
 from eplb_graph.audit.report import AuditReport
 from eplb_graph.audit.sync_ops import is_custom_op
+from eplb_graph.errors import EplbError
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +27,7 @@ logger = logging.getLogger(__name__)
 STATE_METHODS = ("graph_tensors", "data_ptrs", "commit_", "set_step_inputs_", "advance_offset_")
 
 
-class TargetRaised(RuntimeError):
+class TargetRaised(EplbError, RuntimeError):
     """The target failed when simply called eagerly: nothing about graphs can be said."""
 
 

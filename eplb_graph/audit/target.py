@@ -17,11 +17,12 @@ from dataclasses import dataclass
 import torch
 
 from eplb_graph.audit.runner import check_state
+from eplb_graph.errors import EplbError
 
 DEFAULT_TARGET = "eplb_graph.models:audit_target"
 
 
-class TargetError(Exception):
+class TargetError(EplbError):
     """The TARGET string is malformed, does not import, or its callable misbehaves."""
 
 

@@ -31,12 +31,14 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from eplb_graph.errors import EplbError
+
 logger = logging.getLogger(__name__)
 
 _INSTANCES = itertools.count()
 
 
-class DecisionTimeout(RuntimeError):
+class DecisionTimeout(EplbError, RuntimeError):
     """The coordinator's decision did not arrive in time (the attempt is abandoned)."""
 
 

@@ -25,10 +25,11 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from eplb_graph.errors import EplbError
 from eplb_graph.movement.staging import StagingBlock
 
 
-class TransferError(RuntimeError):
+class TransferError(EplbError, RuntimeError):
     """A point-to-point exchange failed or timed out (the rearrangement must abort)."""
 
 

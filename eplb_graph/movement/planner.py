@@ -37,10 +37,12 @@ from dataclasses import dataclass
 
 import torch
 
+from eplb_graph.errors import EplbError
+
 logger = logging.getLogger(__name__)
 
 
-class TransferPlanError(ValueError):
+class TransferPlanError(EplbError, ValueError):
     """Inputs of :func:`plan_transfer` (or :meth:`TransferPlan.execute_local`) are malformed."""
 
 

@@ -20,6 +20,8 @@ import time
 
 import torch
 
+from eplb_graph.errors import EplbError
+
 
 class BlockState(enum.Enum):
     FREE = "free"
@@ -27,7 +29,7 @@ class BlockState(enum.Enum):
     PUBLISHED = "published"
 
 
-class StagingOwnershipError(RuntimeError):
+class StagingOwnershipError(EplbError, RuntimeError):
     """A block was used out of order (a bug: would break invariant 6)."""
 
 

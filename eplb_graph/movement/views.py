@@ -36,13 +36,15 @@ from typing import Any, NoReturn, Protocol, runtime_checkable
 
 import torch
 
+from eplb_graph.errors import EplbError
+
 logger = logging.getLogger(__name__)
 
 #: Byte alignment of every payload section and of ``slot_nbytes`` (the largest dtype is 16 bytes).
 PAYLOAD_ALIGN = 16
 
 
-class UnsupportedWeightFormat(ValueError):
+class UnsupportedWeightFormat(EplbError, ValueError):
     """A weight format (or the tensors given for it) cannot be moved slot by slot in place.
 
     Raised while a view is built, before any tensor is touched. ``format_name`` and ``reason``
@@ -57,7 +59,7 @@ class UnsupportedWeightFormat(ValueError):
         self.reason = reason
 
 
-class WeightViewError(ValueError):
+class WeightViewError(EplbError, ValueError):
     """A ``pack_slot``/``unpack_slot_`` call got a bad slot or buffer; nothing was written."""
 
 

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from eplb_graph.control.controller import WindowSnapshot, hotness_snapshot, reduce_window
+from eplb_graph.errors import EplbError
 from eplb_graph.movement.agreement import StoreAgreement, default_store
 from eplb_graph.movement.clock import StepClock
 from eplb_graph.movement.communicator import (
@@ -489,7 +490,7 @@ class GroupRing:
         self._index += 1
 
 
-class GroupsExhausted(RuntimeError):
+class GroupsExhausted(EplbError, RuntimeError):
     """Every pre-created movement group was poisoned by an abort."""
 
 

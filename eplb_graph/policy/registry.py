@@ -20,6 +20,8 @@ from typing import Protocol
 
 import torch
 
+from eplb_graph.errors import EplbError
+
 
 class PolicyFunction(Protocol):
     def __call__(
@@ -34,7 +36,7 @@ class PolicyFunction(Protocol):
     ) -> torch.Tensor: ...
 
 
-class UnknownPolicyError(KeyError):
+class UnknownPolicyError(EplbError, KeyError):
     """The requested policy name is not registered."""
 
     def __str__(self) -> str:  # KeyError quotes its message; keep it readable

@@ -23,10 +23,12 @@ from pathlib import Path
 
 import numpy as np
 
+from eplb_graph.errors import EplbError
+
 FORMAT_VERSION = 1
 
 
-class TraceError(ValueError):
+class TraceError(EplbError, ValueError):
     """A trace file is malformed; the message names the array and the defect."""
 
 
