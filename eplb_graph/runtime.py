@@ -28,9 +28,10 @@ from eplb_graph.control import (
 from eplb_graph.control.planning import PolicyPlanner
 from eplb_graph.movement.clock import StepClock
 from eplb_graph.movement.scheduler import CommitScheduler
+from eplb_graph.movement.settings import MovementSettings
 from eplb_graph.movement.staging import StagingPool
 from eplb_graph.movement.sync import rearrange_sync_
-from eplb_graph.movement.worker import MovementSettings, MovementWorker
+from eplb_graph.movement.worker import MovementWorker
 from eplb_graph.state import EplbState
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ class EplbRuntime:
         self.views = list(views)
         self.rank = rank
         self.use_async = use_async
-        self.movement = movement or MovementSettings(time_samples=control.time_samples)
+        self.movement = movement or MovementSettings()
         self.planner = planner or PolicyPlanner(
             control.policy,
             state.num_slots,
@@ -101,6 +102,7 @@ class EplbRuntime:
                 rank,
                 planner=self.planner,
                 settings=self.movement,
+                time_samples=control.time_samples,
                 fault_hook=fault_hook,
                 record_only_path=record_map_path,
             )

@@ -22,7 +22,8 @@ def _harness(rank, world_size, *, fault, planner=None, window=None, seed=5, dela
 
     import eplb_graph
     from eplb_graph.control import ControlSettings
-    from eplb_graph.movement.worker import GroupRing, MovementSettings
+    from eplb_graph.movement.settings import MovementSettings
+    from eplb_graph.movement.worker import GroupRing
     from eplb_graph.runtime import EplbRuntime
     from tests.movement_fixtures import expert_payloads, rank_views
 

@@ -18,7 +18,8 @@ def _movement_body(rank: int, world_size: int, formats: list[str]) -> dict:
 
     import eplb_graph
     from eplb_graph.control import ControlSettings
-    from eplb_graph.movement.worker import GroupRing, MovementSettings
+    from eplb_graph.movement.settings import MovementSettings
+    from eplb_graph.movement.worker import GroupRing
     from eplb_graph.runtime import EplbRuntime
     from tests.movement_fixtures import (
         expert_payloads,
@@ -186,7 +187,8 @@ def _record_body(rank: int, world_size: int, path: str) -> dict:
 
     import eplb_graph
     from eplb_graph.control import ControlSettings
-    from eplb_graph.movement.worker import GroupRing, MovementSettings
+    from eplb_graph.movement.settings import MovementSettings
+    from eplb_graph.movement.worker import GroupRing
     from eplb_graph.runtime import EplbRuntime
     from tests.movement_fixtures import expert_payloads, random_placement, rank_views
 

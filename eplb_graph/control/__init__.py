@@ -1,7 +1,6 @@
 """Control plane: batch phases, the load window and the per-step state machine."""
 
 from eplb_graph.control.controller import (
-    ControlSettings,
     EplbController,
     WindowLoad,
     WindowReport,
@@ -10,6 +9,7 @@ from eplb_graph.control.controller import (
     process_group_reducer,
 )
 from eplb_graph.control.phases import BatchPhase, CollectionPhase
+from eplb_graph.control.settings import ControlSettings
 from eplb_graph.control.window import LoadWindow
 
 __all__ = [

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from eplb_graph.control import ControlSettings
 from eplb_graph.demo.traffic import DemoTraffic, TrafficSpec
 from eplb_graph.models.ep_moe import CompiledRegions, EpMoEConfig, EpMoERank, ExpertCheckpoint
-from eplb_graph.movement.worker import GroupRing, MovementSettings
+from eplb_graph.movement.settings import MovementSettings
+from eplb_graph.movement.worker import GroupRing
 from eplb_graph.placement import Placement
 from eplb_graph.progress import ProgressBar
 from eplb_graph.runtime import EplbRuntime

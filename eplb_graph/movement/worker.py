@@ -48,6 +48,7 @@ from eplb_graph.movement.communicator import (
     stage_reads_,
 )
 from eplb_graph.movement.planner import plan_transfer
+from eplb_graph.movement.settings import MovementSettings
 from eplb_graph.movement.staging import StagingBlock, StagingPool
 from eplb_graph.state import EplbState
 
@@ -57,28 +58,6 @@ GroupFactory = Callable[[], object]
 FaultHook = Callable[[str, int], None]
 """Test hook called at named points ("plan", "stage", "exchange", "agree") with the layer (-1
 when not per layer); it may raise or sleep to inject a fault."""
-
-
-@dataclass(frozen=True)
-class MovementSettings:
-    layers_per_step: int = 1  # layers committed together at one agreed step
-    commit_margin_steps: int = 8  # fence distance: steps a decision may take before a veto
-    exchange_timeout_s: float = 30.0
-    agree_timeout_s: float = 30.0
-    max_batch_ops: int = 32
-    staging_blocks: int | None = None  # default: 2 x layers_per_step (stage ahead of commit)
-    time_samples: int = 8
-
-    def __post_init__(self) -> None:
-        for name in ("layers_per_step", "commit_margin_steps", "max_batch_ops", "time_samples"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.exchange_timeout_s <= 0 or self.agree_timeout_s <= 0:
-            raise ValueError("timeouts must be positive")
-
-    @property
-    def num_staging_blocks(self) -> int:
-        return self.staging_blocks or 2 * self.layers_per_step
 
 
 @dataclass
@@ -147,6 +126,7 @@ class MovementWorker:
         *,
         planner: Callable | None = None,
         settings: MovementSettings | None = None,
+        time_samples: int = 8,
         fault_hook: FaultHook | None = None,
         agreement: StoreAgreement | None = None,
         record_only_path: str | None = None,
@@ -163,6 +143,7 @@ class MovementWorker:
         self.rank = rank
         self.planner = planner
         self.settings = settings or MovementSettings()
+        self.time_samples = time_samples
         self.fault_hook = fault_hook or (lambda point, layer: None)
         self.record_only_path = record_only_path
         lag = self.settings.exchange_timeout_s + self.settings.agree_timeout_s
@@ -347,7 +328,7 @@ class MovementWorker:
                 dataclasses.replace(snapshot, rows=rows, committed=old),
                 reduce,
                 self.state.num_logical,
-                self.settings.time_samples,
+                self.time_samples,
             )
         except Exception as failure:
             self._transport_failed = True

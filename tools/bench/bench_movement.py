@@ -285,7 +285,8 @@ def _commit_part(rank: int, world_size: int, config: ExchangeConfig, views) -> d
     import torch.distributed as dist
 
     from eplb_graph.control import ControlSettings
-    from eplb_graph.movement.worker import GroupRing, MovementSettings
+    from eplb_graph.movement.settings import MovementSettings
+    from eplb_graph.movement.worker import GroupRing
     from eplb_graph.placement import Placement
     from eplb_graph.runtime import EplbRuntime
     from eplb_graph.state import EplbState
