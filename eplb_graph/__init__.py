@@ -1,26 +1,46 @@
 """eplb-graph: a graph-capture-first Expert Parallelism Load Balancer for MoE inference.
 
-Importing this package registers ``torch.ops.eplb_graph.*`` (see ``custom_ops``).
+The front door: everything a model-runner integration needs is importable from here.
+Importing this package registers ``torch.ops.eplb_graph.*`` (see ``eplb_graph.ops``).
+
+- ``Placement``: which logical expert sits in every physical slot (a value; expert-map files);
+- ``EplbState``: the tensors a compiled graph reads, with stable addresses, committed in place;
+- ``EplbRuntime``: what a runner calls around every forward (``begin_step`` / ``end_step``);
+- ``ControlSettings``, ``MovementSettings``: its plain settings objects;
+- ``GroupRing``: the gloo groups EPLB moves weights over (never the serving group);
+- ``make_expert_view``: the weight view of one layer's experts, by format;
+- ``EplbError``: the base of every error the package raises on purpose.
 """
 
 from __future__ import annotations
 
 import custom_ops as _custom_ops  # noqa: F401  (registers torch.ops.eplb_graph)
 from eplb_graph.config import ConfigError, EplbConfig, LegacyEplbConfig, resolve_eplb_config
+from eplb_graph.control.settings import ControlSettings
 from eplb_graph.errors import EplbError
 from eplb_graph.expert_map import ExpertMapError
+from eplb_graph.movement.settings import MovementSettings
+from eplb_graph.movement.transport import GroupRing
+from eplb_graph.movement.views import make_expert_view, supported_formats
 from eplb_graph.placement import Placement, PlacementError
+from eplb_graph.runtime import EplbRuntime
 from eplb_graph.state import EplbState
 
 __all__ = [
     "ConfigError",
+    "ControlSettings",
     "EplbConfig",
     "EplbError",
+    "EplbRuntime",
     "EplbState",
     "ExpertMapError",
+    "GroupRing",
     "LegacyEplbConfig",
+    "MovementSettings",
     "Placement",
     "PlacementError",
+    "make_expert_view",
     "resolve_eplb_config",
+    "supported_formats",
 ]
 __version__ = "0.1.0"

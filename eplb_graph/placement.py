@@ -8,6 +8,7 @@ copies of derived tables.
 
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Sequence
 
@@ -35,8 +36,20 @@ def _as_phy2log(phy2log: torch.Tensor | Sequence) -> torch.Tensor:
     return phy2log.detach().to(device="cpu", dtype=torch.int64).contiguous()
 
 
-def _as_row(phy2log_row: torch.Tensor | Sequence, layer: int) -> torch.Tensor:
-    """One layer's ``phy2log`` row; only a 1-D ``[P]`` input is accepted (never flattened)."""
+def validate_layer_row(
+    phy2log_row: torch.Tensor | Sequence,
+    layer: int,
+    num_logical: int,
+    num_ranks: int,
+    num_slots: int,
+) -> torch.Tensor:
+    """One layer's new ``phy2log`` row, validated; returns it as ``[P]`` int64 on the CPU.
+
+    The one row validator: :meth:`Placement.with_layer` and ``EplbState.prepare_layer`` both use
+    it, so a row is judged by the same rules, and every :class:`PlacementError` names ``layer``
+    (not the position of the row in a one-layer table). Only a 1-D ``[P]`` input is accepted
+    (never flattened).
+    """
     try:
         row = torch.as_tensor(phy2log_row)
     except (TypeError, ValueError, RuntimeError) as error:
@@ -47,7 +60,13 @@ def _as_row(phy2log_row: torch.Tensor | Sequence, layer: int) -> torch.Tensor:
         raise PlacementError(
             f"layer {layer}: phy2log row must be 1-D [P], got shape {tuple(row.shape)}"
         )
-    return row
+    table = _as_phy2log(row.unsqueeze(0))
+    if table.shape[1] != num_slots:
+        raise PlacementError(
+            f"layer {layer}: phy2log row has {table.shape[1]} slots, expected {num_slots}"
+        )
+    validate_phy2log(table, num_logical, num_ranks, first_layer=layer)
+    return table[0]
 
 
 def replica_counts(phy2log: torch.Tensor, num_logical: int) -> torch.Tensor:
@@ -149,15 +168,7 @@ class Placement:
         Raises:
             PlacementError: if some expert has more than ``max_replicas`` slots.
         """
-        if max_replicas < 1:
-            raise PlacementError(f"max_replicas must be >= 1, got {max_replicas}")
-        most = self.max_replica_count()
-        if most > max_replicas:
-            layer, expert = divmod(int(self.replica_count().argmax()), self.num_logical)
-            raise PlacementError(
-                f"layer {layer}: expert {expert} has {most} replicas but the lookup width "
-                f"R={max_replicas} (max_replicas chosen at start-up) holds at most {max_replicas}"
-            )
+        check_lookup_width(self.replica_count(), max_replicas)
         return derive_log2phy(self._phy2log, self.num_logical, max_replicas)
 
     def layer(self, layer: int) -> torch.Tensor:
@@ -166,13 +177,12 @@ class Placement:
 
     def with_layer(self, layer: int, phy2log_row: torch.Tensor | Sequence) -> Placement:
         """A new placement equal to this one except for ``layer`` (validated)."""
-        row = _as_phy2log(_as_row(phy2log_row, layer).unsqueeze(0))
-        if row.shape[1] != self.num_slots:
-            raise PlacementError(
-                f"layer {layer}: phy2log row has {row.shape[1]} slots, expected {self.num_slots}"
-            )
+        layer = check_layer_index(layer, self.num_layers)
+        row = validate_layer_row(
+            phy2log_row, layer, self.num_logical, self.num_ranks, self.num_slots
+        )
         table = self._phy2log.clone()
-        table[layer] = row[0]
+        table[layer] = row
         return Placement(table, self.num_logical, self.num_ranks)
 
     # -- value semantics -------------------------------------------------------------------------
@@ -214,8 +224,13 @@ class Placement:
         save_expert_map(self, path)
 
 
-def validate_phy2log(phy2log: torch.Tensor, num_logical: int, num_ranks: int) -> None:
-    """Raise :class:`PlacementError` naming the first defect of ``phy2log [L, P]``."""
+def validate_phy2log(
+    phy2log: torch.Tensor, num_logical: int, num_ranks: int, *, first_layer: int = 0
+) -> None:
+    """Raise :class:`PlacementError` naming the first defect of ``phy2log [L, P]``.
+
+    ``first_layer`` is the model layer of row 0, for messages about a slice of a placement.
+    """
     if num_logical < 1:
         raise PlacementError(f"num_logical must be >= 1, got {num_logical}")
     if num_ranks < 1:
@@ -239,10 +254,45 @@ def validate_phy2log(phy2log: torch.Tensor, num_logical: int, num_ranks: int) ->
     if bool(out_of_range.any()):
         layer, slot = (int(i) for i in out_of_range.nonzero()[0])
         raise PlacementError(
-            f"layer {layer}, slot {slot}: expert id {int(phy2log[layer, slot])} is out of range "
-            f"[0, {num_logical})"
+            f"layer {first_layer + layer}, slot {slot}: expert id {int(phy2log[layer, slot])} "
+            f"is out of range [0, {num_logical})"
         )
     missing = replica_counts(phy2log, num_logical) == 0
     if bool(missing.any()):
         layer, expert = (int(i) for i in missing.nonzero()[0])
-        raise PlacementError(f"layer {layer}: logical expert {expert} has no slot")
+        raise PlacementError(f"layer {first_layer + layer}: logical expert {expert} has no slot")
+
+
+def check_lookup_width(replica_count: torch.Tensor, max_replicas: int, *, first_layer: int = 0):
+    """Raise :class:`PlacementError` unless every expert's replicas fit a lookup of width
+    ``max_replicas`` (``replica_count [L, N]``; ``first_layer`` names row 0 in messages)."""
+    if max_replicas < 1:
+        raise PlacementError(f"max_replicas must be >= 1, got {max_replicas}")
+    most = int(replica_count.max())
+    if most > max_replicas:
+        layer, expert = divmod(int(replica_count.argmax()), replica_count.shape[1])
+        raise PlacementError(
+            f"layer {first_layer + layer}: expert {expert} has {most} replicas but the lookup "
+            f"width R={max_replicas} (max_replicas chosen at start-up) holds at most "
+            f"{max_replicas}"
+        )
+
+
+def check_layer_index(layer: object, num_layers: int) -> int:
+    """A layer index as a plain int in ``[0, num_layers)``.
+
+    Integers of any kind (Python, numpy, a 0-d integer tensor) are accepted; booleans and
+    negatives are refused, because ``True`` would silently mean layer 1 and ``-1`` the last one.
+    """
+    is_bool_tensor = isinstance(layer, torch.Tensor) and layer.dtype == torch.bool
+    if isinstance(layer, bool) or is_bool_tensor:
+        raise PlacementError(f"layer must be an integer in [0, {num_layers}), got {layer!r}")
+    try:
+        index = operator.index(layer)
+    except TypeError:
+        raise PlacementError(
+            f"layer must be an integer in [0, {num_layers}), got {layer!r}"
+        ) from None
+    if not 0 <= index < num_layers:
+        raise PlacementError(f"layer must be in [0, {num_layers}), got {index}")
+    return index

@@ -1,14 +1,19 @@
 """``EplbRuntime``: what a model runner calls around every forward.
 
-It wires the control plane (window, phases, policy), the movement worker and the commit
-scheduler to one rank's :class:`~eplb_graph.state.EplbState` and weight views::
+It wires the control plane (window, phases) and the movement plane (the rebalance pipeline, its
+worker thread and commit scheduler in async mode) to one rank's :class:`~eplb_graph.state.EplbState`
+and weight views::
 
-    runtime.begin_step(has_prefill=..., num_valid_tokens=...)   # commits due layers
+    runtime.begin_step(has_prefill=..., num_valid_tokens=...)   # async: installs due layers
     replay the compiled / captured forward
-    runtime.end_step()                                          # folds load, may hand off
+    runtime.end_step()                                          # folds load, may rebalance
 
-On ordinary steps both calls are a few in-place tensor writes and a queue poll: no collective
-and no host sync on the main thread.
+Threads: the calling (main) thread owns the state's tensors and the live weights; in async mode
+the worker thread owns the rebalance pipeline and writes neither (it prepares, stages and
+exchanges). On ordinary steps both calls are a few in-place tensor writes and a queue poll: no
+collective and no host sync on the main thread. In sync mode the whole pipeline runs inside the
+``end_step`` that closes a window (serving stalls for it; the layers are committed when it
+returns), and ``begin_step`` never commits anything.
 """
 
 from __future__ import annotations
@@ -19,18 +24,28 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from eplb_graph.control import (
-    ControlSettings,
-    EplbController,
+from eplb_graph.control.controller import EplbController
+from eplb_graph.control.planning import PolicyPlanner
+from eplb_graph.control.settings import ControlSettings
+from eplb_graph.control.window import (
+    WindowSnapshot,
     local_reducer,
     process_group_reducer,
 )
-from eplb_graph.control.planning import PolicyPlanner
+from eplb_graph.movement.agreement import StoreAgreement, default_store
 from eplb_graph.movement.clock import StepClock
+from eplb_graph.movement.rebalance import (
+    FaultHook,
+    InstallNow,
+    Job,
+    PlanJob,
+    PublishAtAgreedStep,
+    RebalancePipeline,
+    WindowJob,
+)
 from eplb_graph.movement.scheduler import CommitScheduler
 from eplb_graph.movement.settings import MovementSettings
-from eplb_graph.movement.staging import StagingPool
-from eplb_graph.movement.sync import rearrange_sync_
+from eplb_graph.movement.staging import LayerInstaller, StagingPool
 from eplb_graph.movement.worker import MovementWorker
 from eplb_graph.state import EplbState
 
@@ -46,12 +61,13 @@ class EplbRuntime:
         control: window / interval / phase / policy settings.
         groups: gloo group provider for the EPLB traffic (``GroupRing``); never the serving group.
         rank: this rank's index in the EP group.
-        use_async: plan and move on the worker thread (default) or synchronously at the close.
-        movement: worker settings (layers per step, margins, timeouts).
+        use_async: plan and move on the worker thread (default) or inline at the window close.
+        movement: staging, chunking, margins, timeouts.
         planner: overrides the policy planner built from ``control``.
-        fault_hook: test-only fault injection passed to the worker.
-        record_map_path: record mode (legacy ``expert_map_record_path``): plans are written to
-            this expert-map JSON by rank 0 and never applied (async mode only).
+        fault_hook: test-only fault injection in the pipeline.
+        record_map_path: record mode: plans are written to this expert-map JSON by rank 0 and
+            never applied.
+        agreement: the store-decided votes (default: over the job's rendezvous store).
     """
 
     def __init__(
@@ -65,8 +81,9 @@ class EplbRuntime:
         use_async: bool = True,
         movement: MovementSettings | None = None,
         planner: Callable | None = None,
-        fault_hook: Callable | None = None,
+        fault_hook: FaultHook | None = None,
         record_map_path: str | None = None,
+        agreement: StoreAgreement | None = None,
     ) -> None:
         if len(views) != state.num_layers:
             raise ValueError(
@@ -89,51 +106,61 @@ class EplbRuntime:
         self.pool = StagingPool(
             self.movement.num_staging_blocks, state.num_slots // state.num_ranks, slot_nbytes
         )
-        self.groups = groups
+        self.installer = LayerInstaller(state, self.views, self.pool)
         self.clock = StepClock()
-        self.sync_layers_committed = 0
+        lag = self.movement.exchange_timeout_s + self.movement.agree_timeout_s
+        self.agreement = agreement or StoreAgreement(
+            default_store(),
+            rank,
+            state.num_ranks,
+            vote_timeout_s=lag,
+            decision_timeout_s=2 * lag + 5.0,
+        )
         if use_async:
-            self.worker = MovementWorker(
-                state,
-                self.views,
-                self.clock,
-                self.pool,
-                groups,
-                rank,
-                planner=self.planner,
-                settings=self.movement,
-                time_samples=control.time_samples,
-                fault_hook=fault_hook,
-                record_only_path=record_map_path,
+            self.worker: MovementWorker | None = MovementWorker(rank)
+            delivery: PublishAtAgreedStep | InstallNow = PublishAtAgreedStep(
+                self.clock, self.pool, self.worker.publish, self.movement.commit_margin_steps
             )
-            self.scheduler = CommitScheduler(state, self.views, self.worker, self.pool, self.clock)
-            # The balancedness log (opt-in) sums recent load across ranks on the main thread,
-            # at logging steps only, over a gloo group of its own (never the serving group or
-            # the worker's).
-            reduce = local_reducer
-            if control.log_balancedness and dist.is_initialized() and state.num_ranks > 1:
-                reduce = process_group_reducer(dist.new_group(backend="gloo"))
-            self.controller = EplbController(state, control, handoff=self._handoff, reduce=reduce)
         else:
-            if record_map_path is not None:
-                raise ValueError("record mode (record_map_path) needs use_async=True")
             self.worker = None
-            self.scheduler = None
-            self.controller = EplbController(
-                state,
-                control,
-                reduce=process_group_reducer(groups()),
-                planner=self.planner,
-                on_plan=self._rearrange_sync,
+            delivery = InstallNow(self.installer)
+        self.pipeline = RebalancePipeline(
+            state,
+            self.views,
+            self.pool,
+            groups,
+            rank,
+            self.agreement,
+            delivery,
+            planner=self.planner,
+            time_samples=control.time_samples,
+            settings=self.movement,
+            fault_hook=fault_hook,
+            record_map_path=record_map_path,
+        )
+        self.scheduler: CommitScheduler | None = None
+        if self.worker is not None:
+            self.scheduler = CommitScheduler(
+                self.worker, self.installer, self.clock, self.agreement.veto
             )
+            self.worker.start(self.pipeline)
+        # The balancedness log (opt-in) sums recent load across ranks on the main thread, at
+        # logging steps only, over a gloo group of its own (never the serving group or the
+        # pipeline's).
+        reduce = local_reducer
+        if control.log_balancedness and dist.is_initialized() and state.num_ranks > 1:
+            reduce = process_group_reducer(dist.new_group(backend="gloo"))
+        self.controller = EplbController(state, control, self._rebalance, reduce=reduce)
 
     # -- per step ------------------------------------------------------------------------------
     def begin_step(self, *, has_prefill: bool, num_valid_tokens: int) -> list[int]:
+        """Before the forward; returns the layers committed now (always empty in sync mode)."""
         committed = self.scheduler.begin_step() if self.scheduler is not None else []
         self.controller.begin_step(has_prefill=has_prefill, num_valid_tokens=num_valid_tokens)
         return committed
 
     def end_step(self) -> None:
+        """After the forward; a window close starts (async) or runs (sync) a rearrangement."""
         self.controller.end_step()
         if self.scheduler is not None:
             self.scheduler.end_step()
@@ -141,71 +168,58 @@ class EplbRuntime:
             self.clock.advance()
 
     # -- explicit rearrangement (all ranks, same step) ---------------------------------------
-    def rearrange_to(self, new_phy2log: torch.Tensor) -> bool:
+    def rearrange_to(self, new_phy2log: torch.Tensor) -> None:
         """Move to ``new_phy2log [L, P]`` (every rank must call this at the same step).
 
-        Async: queued behind any job in flight (the worker plans against the placement
-        committed when it starts) and committed layer by layer at agreed steps. Sync: now.
+        Async: queued behind any job in flight (planned against the placement committed when
+        it starts) and committed layer by layer at agreed steps. Sync: now.
         """
-        if not self.use_async:
-            self._move_sync(new_phy2log)
-            return True
-        self.scheduler.mark_busy()
-        self.worker.submit_plan(new_phy2log)
-        return True
+        self._rebalance(PlanJob(torch.as_tensor(new_phy2log).clone()))
 
     @property
     def busy(self) -> bool:
-        return bool(self.scheduler is not None and self.scheduler.busy)
+        """A rearrangement handed to the worker has not finished yet (async only)."""
+        return self.scheduler is not None and self.scheduler.busy
 
     def close(self) -> None:
         if self.worker is not None:
             self.worker.stop()
 
     # -- internals -------------------------------------------------------------------------------
-    def _handoff(self, snapshot) -> None:
+    def _rebalance(self, job: Job | WindowSnapshot) -> None:
+        if isinstance(job, WindowSnapshot):
+            job = WindowJob(job)
+        if self.worker is None:
+            self.pipeline.run(job)
+            return
         self.scheduler.mark_busy()
-        self.worker.submit_window(snapshot)
-
-    def _rearrange_sync(self, report) -> None:
-        self._move_sync(report.new_phy2log)
-
-    def _move_sync(self, new_phy2log: torch.Tensor) -> None:
-        committed = rearrange_sync_(
-            self.state,
-            self.views,
-            new_phy2log,
-            self.groups(),
-            self.rank,
-            self.pool,
-            timeout_s=self.movement.exchange_timeout_s,
-            max_batch_ops=self.movement.max_batch_ops,
-        )
-        self.sync_layers_committed += len(committed)
+        self.worker.submit(job)
 
     def metrics(self) -> dict:
-        """Structured snapshot for monitoring."""
-        data = {"control": self.controller.snapshot(), "async": self.use_async}
-        if self.worker is not None:
-            w, s = self.worker.stats, self.scheduler.stats
-            data["movement"] = {
-                "rearrangements_started": w.rearrangements_started,
-                "rearrangements_completed": w.rearrangements_completed,
-                "rearrangements_aborted": w.rearrangements_aborted,
-                "layers_published": w.layers_published,
-                "layers_committed": s.layers_committed,
-                "bytes_received": w.bytes_received,
-                "late_items": s.late_items,
-                "fence_waits": self.clock.fence_waits,
-                "fence_timeouts": s.fence_timeouts,
-                "vetoes": self.clock.vetoes,
-                "last_error": w.last_error,
-                "last_hotness": w.last_hotness,
-                "policy_seconds": w.policy_seconds,
-                "plans_recorded": w.plans_recorded,
-                "rearrangements_noop": w.rearrangements_noop,
-                "worker_alive": self.worker.alive,
-            }
-        else:
-            data["movement"] = {"layers_committed": self.sync_layers_committed}
-        return data
+        """Structured snapshot for monitoring (plain values)."""
+        pipeline, installed = self.pipeline.stats, self.installer.stats
+        movement = {
+            "rearrangements_started": pipeline.rearrangements_started,
+            "rearrangements_completed": pipeline.rearrangements_completed,
+            "rearrangements_aborted": pipeline.rearrangements_aborted,
+            "rearrangements_noop": pipeline.rearrangements_noop,
+            "layers_published": pipeline.layers_delivered,
+            "layers_committed": installed.layers_committed,
+            "bytes_received": pipeline.bytes_received,
+            "policy_seconds": pipeline.policy_seconds,
+            "plans_recorded": pipeline.plans_recorded,
+            "last_error": pipeline.last_error,
+            "last_hotness": pipeline.last_hotness,
+            "last_window_balancedness": pipeline.last_window_balancedness,
+            "fence_waits": self.clock.fence_waits,
+            "vetoes": self.clock.vetoes,
+        }
+        if self.scheduler is not None:
+            movement["late_items"] = self.scheduler.stats.late_items
+            movement["fence_timeouts"] = self.scheduler.stats.fence_timeouts
+            movement["worker_alive"] = self.worker.alive
+        return {
+            "control": self.controller.snapshot(),
+            "async": self.use_async,
+            "movement": movement,
+        }

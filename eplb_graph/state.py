@@ -19,14 +19,31 @@ from custom_ops._checks import INDEX_DTYPES
 from eplb_graph.placement import (
     Placement,
     PlacementError,
-    _as_phy2log,
-    _as_row,
-    validate_phy2log,
+    check_layer_index,
+    check_lookup_width,
+    derive_log2phy,
+    replica_counts,
+    validate_layer_row,
 )
 
 logger = logging.getLogger(__name__)
 
 _LOW32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class PreparedLayer:
+    """One layer's validated new tables, derived on the host in the state's dtypes.
+
+    Made only by :meth:`EplbState.prepare_layer` (off the main thread in async mode), consumed by
+    :meth:`EplbState.commit_prepared_` (on it), so the expensive part of a commit happens away
+    from serving and the commit itself is three in-place copies.
+    """
+
+    layer: int
+    phy2log: torch.Tensor  # [P]
+    log2phy: torch.Tensor  # [N, R]
+    replica_count: torch.Tensor  # [N]
 
 
 @dataclass(frozen=True)
@@ -166,38 +183,63 @@ class EplbState:
         self.load.zero_()
 
     # -- commit --------------------------------------------------------------------------------
-    def prepare_layer(self, layer: int, phy2log_row: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def prepare_layer(self, layer: int, phy2log_row: torch.Tensor) -> PreparedLayer:
         """Validate one layer's new ``phy2log [P]`` and derive its tables on the host.
 
-        Returns ``(phy2log [P], log2phy [N, R], replica_count [N])`` in the state's dtypes, ready
-        for :meth:`commit_prepared_`. Raises :class:`PlacementError` and writes nothing on a defect.
+        Raises :class:`PlacementError` (naming the layer) and writes nothing on a defect.
         """
-        if not 0 <= layer < self.num_layers:
-            raise PlacementError(f"layer must be in [0, {self.num_layers}), got {layer}")
-        row = _as_phy2log(_as_row(phy2log_row, layer).unsqueeze(0))
-        if row.shape[1] != self.num_slots:
-            raise PlacementError(
-                f"layer {layer}: phy2log row has {row.shape[1]} slots, expected {self.num_slots}"
-            )
-        try:
-            validate_phy2log(row, self.num_logical, self.num_ranks)
-            one_layer = Placement(row, self.num_logical, self.num_ranks)
-            log2phy = one_layer.log2phy(self.max_replicas)[0]
-        except PlacementError as error:
-            raise _for_layer(error, layer) from None
+        layer = check_layer_index(layer, self.num_layers)
+        row = validate_layer_row(
+            phy2log_row, layer, self.num_logical, self.num_ranks, self.num_slots
+        ).unsqueeze(0)
+        counts = replica_counts(row, self.num_logical)
+        check_lookup_width(counts, self.max_replicas, first_layer=layer)
+        log2phy = derive_log2phy(row, self.num_logical, self.max_replicas)
         dtype = self.log2phy.dtype
-        return row[0].to(dtype), log2phy.to(dtype), one_layer.replica_count()[0].to(dtype)
+        return PreparedLayer(layer, row[0].to(dtype), log2phy[0].to(dtype), counts[0].to(dtype))
 
-    def commit_prepared_(self, layer: int, prepared: tuple[torch.Tensor, ...]) -> None:
-        """Write prepared tables into the layer's rows in place (no reallocation, no loop)."""
-        phy2log, log2phy, replica_count = prepared
+    def commit_prepared_(self, layer: int, prepared: PreparedLayer) -> None:
+        """Write prepared tables into the layer's rows in place (no reallocation, no loop).
+
+        Everything is checked before the first write, so a bad argument changes nothing.
+        """
+        layer = check_layer_index(layer, self.num_layers)
+        self._check_prepared(layer, prepared)
         # Table before count: a torn read in between sees (new row, old count); the routing op
         # falls back to replica 0 for a -1 pad, so a valid id never maps to -1 either way.
-        self.log2phy[layer].copy_(log2phy, non_blocking=True)
-        self.replica_count[layer].copy_(replica_count, non_blocking=True)
-        self.phy2log[layer].copy_(phy2log, non_blocking=True)
-        self._committed[layer].copy_(phy2log)
+        self.log2phy[layer].copy_(prepared.log2phy, non_blocking=True)
+        self.replica_count[layer].copy_(prepared.replica_count, non_blocking=True)
+        self.phy2log[layer].copy_(prepared.phy2log, non_blocking=True)
+        self._committed[layer].copy_(prepared.phy2log)
         self._committed_changed()
+
+    def _check_prepared(self, layer: int, prepared: object) -> None:
+        if not isinstance(prepared, PreparedLayer):
+            raise PlacementError(
+                f"commit_prepared_ takes the PreparedLayer made by prepare_layer, got "
+                f"{type(prepared).__name__}"
+            )
+        if prepared.layer != layer:
+            raise PlacementError(
+                f"tables prepared for layer {prepared.layer} cannot be committed to layer {layer}"
+            )
+        expected = {
+            "phy2log": self.phy2log[layer],
+            "log2phy": self.log2phy[layer],
+            "replica_count": self.replica_count[layer],
+        }
+        for name, target in expected.items():
+            tensor = getattr(prepared, name)
+            if not isinstance(tensor, torch.Tensor) or tensor.shape != target.shape:
+                raise PlacementError(
+                    f"layer {layer}: prepared {name} must be a tensor of shape "
+                    f"{tuple(target.shape)}"
+                )
+            if tensor.dtype != target.dtype:
+                raise PlacementError(
+                    f"layer {layer}: prepared {name} has dtype {tensor.dtype}, the state holds "
+                    f"{target.dtype}; use prepare_layer"
+                )
 
     def commit_layer_(self, layer: int, phy2log_row: torch.Tensor) -> None:
         """Validate, then commit one layer's placement in place (invariant 3's only writer)."""
@@ -226,11 +268,3 @@ class EplbState:
         self.phy2log.copy_(placement.phy2log.to(dtype), non_blocking=True)
         self._committed.copy_(placement.phy2log)
         self._committed_changed()
-
-
-def _for_layer(error: PlacementError, layer: int) -> PlacementError:
-    """Re-label an error raised on a one-layer placement with the real layer index."""
-    message = str(error)
-    if message.startswith("layer 0"):
-        return PlacementError(f"layer {layer}" + message[len("layer 0") :])
-    return PlacementError(f"layer {layer}: {message}")

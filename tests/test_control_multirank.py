@@ -13,6 +13,7 @@ def _rank_body(rank: int, world_size: int, phase: str) -> dict:
 
     import eplb_graph
     from eplb_graph.control import ControlSettings, EplbController, process_group_reducer
+    from eplb_graph.control.window import reduce_window
     from eplb_graph.policy.registry import normalize_weight
     from tests.routing import route_and_record
 
@@ -34,7 +35,13 @@ def _rank_body(rank: int, world_size: int, phase: str) -> dict:
         return None
 
     settings = ControlSettings(window_size=6, step_interval=24, load_collection_phase=phase)
-    controller = EplbController(state, settings, reduce=counting_reduce, planner=planner)
+
+    def reduce_and_plan(snapshot):  # the rebalance pipeline's first steps, inline
+        rows = snapshot.copy_rows()
+        args = (snapshot.committed, counting_reduce, state.num_logical, settings.time_samples)
+        planner(reduce_window(rows, snapshot, *args))
+
+    controller = EplbController(state, settings, reduce_and_plan)
     generator = torch.Generator().manual_seed(100 + rank)
     local_expected = torch.zeros(2, 8, dtype=torch.int64)
     for step in range(30):

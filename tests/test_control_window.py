@@ -11,12 +11,39 @@ from eplb_graph.control import (
     ControlSettings,
     EplbController,
     LoadWindow,
-    balancedness_of_slots,
 )
+from eplb_graph.control.planning import plan_window
+from eplb_graph.control.window import fold_to_logical, local_reducer, reduce_window
 
 
 def _state(layers=2, experts=4, redundant=4, ranks=2) -> eplb_graph.EplbState:
     return eplb_graph.EplbState(eplb_graph.Placement.default(layers, experts, redundant, ranks))
+
+
+def _logical(window: LoadWindow, num_logical: int, num_samples: int) -> torch.Tensor:
+    rows, placements = window.snapshot()
+    return fold_to_logical(rows, placements, num_logical, num_samples)
+
+
+def _controller(state, settings, planner=lambda load: None, *, reduce=local_reducer):
+    """A controller whose closed windows are reduced locally and planned, as the rebalance
+    pipeline does minus movement; ``controller.plans`` collects ``(step, WindowPlan)``."""
+    plans = []
+
+    def plan_closed_window(snapshot):
+        load = reduce_window(
+            snapshot.copy_rows(),
+            snapshot,
+            snapshot.committed,
+            local_reducer,
+            state.num_logical,
+            settings.time_samples,
+        )
+        plans.append((snapshot.step, plan_window(load, planner, state.num_ranks)))
+
+    controller = EplbController(state, settings, plan_closed_window, reduce=reduce)
+    controller.plans = plans
+    return controller
 
 
 def test_window_is_a_ring_that_counts_steps_not_recordings():
@@ -28,7 +55,7 @@ def test_window_is_a_ring_that_counts_steps_not_recordings():
         assert torch.count_nonzero(load) == (0 if step != 3 else 4)
     assert window.chronological_rows() == [2, 0, 1]
     assert [int(window.rows[r, 0, 0]) for r in window.chronological_rows()] == [3, 0, 5]
-    assert torch.equal(window.physical_total(), torch.full((1, 4), 8))
+    assert torch.equal(window.rows.sum(dim=0), torch.full((1, 4), 8))
 
 
 def test_fold_uses_the_placement_live_when_each_step_was_recorded():
@@ -38,9 +65,8 @@ def test_fold_uses_the_placement_live_when_each_step_was_recorded():
     new = torch.tensor([[0, 2, 1, 3]])  # experts 1 and 2 swapped slots
     window.fold_pass_(torch.tensor([[0, 10, 0, 0]]), old, recorded=True)
     window.fold_pass_(torch.tensor([[0, 7, 0, 0]]), new, recorded=True)
-    samples = window.logical_samples(num_logical=4, num_samples=2)
-    assert samples.tolist() == [[[0, 10, 0, 0]], [[0, 0, 7, 0]]]
-    assert window.logical_samples(4, 1).tolist() == [[[0, 10, 7, 0]]]
+    assert _logical(window, 4, 2).tolist() == [[[0, 10, 0, 0]], [[0, 0, 7, 0]]]
+    assert _logical(window, 4, 1).tolist() == [[[0, 10, 7, 0]]]
 
 
 def test_time_buckets_keep_chronological_order():
@@ -48,33 +74,31 @@ def test_time_buckets_keep_chronological_order():
     placement = torch.tensor([[0, 1]])
     for step in range(6):
         window.fold_pass_(torch.tensor([[step, 0]]), placement, recorded=True)
-    assert window.logical_samples(2, 3)[:, 0, 0].tolist() == [0 + 1, 2 + 3, 4 + 5]
-    assert window.logical_samples(2, 100).shape[0] == 6
+    assert _logical(window, 2, 3)[:, 0, 0].tolist() == [0 + 1, 2 + 3, 4 + 5]
+    assert _logical(window, 2, 100).shape[0] == 6
 
 
 def _run(controller: EplbController, steps: int, *, prefill_every: int = 0, load_value: int = 1):
-    reports = []
+    first = len(controller.plans)
     for step in range(steps):
         has_prefill = prefill_every > 0 and step % prefill_every == 0
         controller.begin_step(has_prefill=has_prefill, num_valid_tokens=4)
         # Stand-in for the graph: the routing op adds to the load pass iff recording is on.
         controller.state.load.add_(load_value * controller.state.record_enabled.long())
-        report = controller.end_step()
-        if report is not None:
-            reports.append((controller.step, report))
-    return reports
+        controller.end_step()
+    return controller.plans[first:]
 
 
 def test_first_rearrangement_after_quarter_interval_then_every_interval():
     settings = ControlSettings(window_size=4, step_interval=20)
-    controller = EplbController(_state(), settings, planner=lambda load: None)
+    controller = _controller(_state(), settings)
     reports = _run(controller, 65)
     assert [step for step, _ in reports] == [5, 25, 45, 65]
 
 
 def test_recording_only_within_window_of_next_rearrangement():
     settings = ControlSettings(window_size=3, step_interval=10)
-    controller = EplbController(_state(), settings)
+    controller = _controller(_state(), settings)
     recorded = []
     for _ in range(12):
         controller.begin_step(has_prefill=False, num_valid_tokens=1)
@@ -100,7 +124,7 @@ def test_recording_only_within_window_of_next_rearrangement():
 @pytest.mark.parametrize("phase", ["prefill", "decode", "all"])
 def test_phase_filter_zero_load_but_window_advances(phase):
     settings = ControlSettings(window_size=8, step_interval=32, load_collection_phase=phase)
-    controller = EplbController(_state(), settings)
+    controller = _controller(_state(), settings)
     reports = _run(controller, 8, prefill_every=2)  # steps 0,2,4,6 prefill
     assert controller.window.steps_seen == 8
     assert len(reports) == 1  # 32 // 4 = 8: one close, whatever the phase
@@ -115,7 +139,9 @@ def test_unknown_phase_rejected_with_choices():
         ControlSettings(load_collection_phase="chunked")
 
 
-def test_no_collective_on_steps_where_nothing_is_due():
+def test_no_collective_and_no_handoff_on_steps_where_nothing_is_due():
+    """The controller's own reducer (balancedness log) is never called without logging, and
+    exactly one snapshot is handed off per window close."""
     calls = []
 
     def counting_reduce(tensor):
@@ -123,9 +149,10 @@ def test_no_collective_on_steps_where_nothing_is_due():
         return tensor
 
     settings = ControlSettings(window_size=5, step_interval=40)
-    controller = EplbController(_state(), settings, reduce=counting_reduce)
-    _run(controller, 90)  # closes at 10, 50, 90
-    assert len(calls) == 3
+    controller = _controller(_state(), settings, reduce=counting_reduce)
+    plans = _run(controller, 90)  # closes at 10, 50, 90
+    assert calls == []
+    assert [step for step, _ in plans] == [10, 50, 90]
 
 
 def test_balancedness_logging_is_one_collective_per_interval(caplog):
@@ -133,9 +160,7 @@ def test_balancedness_logging_is_one_collective_per_interval(caplog):
     settings = ControlSettings(
         window_size=4, step_interval=100, log_balancedness=True, log_balancedness_interval=5
     )
-    controller = EplbController(
-        _state(), settings, reduce=lambda t: (calls.append(t.numel()), t)[1]
-    )
+    controller = _controller(_state(), settings, reduce=lambda t: (calls.append(t.numel()), t)[1])
     with caplog.at_level("INFO", logger="eplb_graph.control.controller"):
         _run(controller, 20)
     assert len(calls) == 4
@@ -149,7 +174,7 @@ def test_planner_sees_logical_load_of_the_real_routing_op():
     state = _state(layers=1, experts=4, redundant=4, ranks=2)
     seen = []
     settings = ControlSettings(window_size=4, step_interval=16, time_samples=2)
-    controller = EplbController(state, settings, planner=lambda load: seen.append(load))
+    controller = _controller(state, settings, lambda load: seen.append(load))
     generator = torch.Generator().manual_seed(0)
     expected = torch.zeros(4, dtype=torch.int64)
     for _ in range(4):
@@ -171,10 +196,14 @@ def test_planner_sees_logical_load_of_the_real_routing_op():
     assert seen[0].logical.shape == (2, 1, 4)
 
 
-def test_balancedness_of_slots_formula():
-    physical = torch.tensor([[4, 0, 1, 1], [0, 0, 0, 0]])  # 2 ranks x 2 slots: loads 4 and 2
-    assert balancedness_of_slots(physical, 2) == pytest.approx(3 / 4)
-    assert balancedness_of_slots(torch.zeros(2, 4, dtype=torch.int64), 2) == 0.0
+def test_window_plan_reports_balancedness_of_the_executed_slot_load():
+    state = _state(layers=1, experts=2, redundant=2, ranks=2)  # slots [0 1 | 0 1]
+    controller = _controller(state, ControlSettings(window_size=1, step_interval=4))
+    controller.begin_step(has_prefill=False, num_valid_tokens=1)
+    state.load[0].copy_(torch.tensor([4, 0, 1, 1]))  # rank loads 4 and 2
+    controller.end_step()
+    ((_, plan),) = controller.plans
+    assert plan.balancedness == pytest.approx(3 / 4)
 
 
 def test_settings_from_v2_config_cap_the_window_at_the_interval():
@@ -185,17 +214,17 @@ def test_settings_from_v2_config_cap_the_window_at_the_interval():
     assert settings.effective_window_size == 200
     assert settings.load_collection_phase is CollectionPhase.DECODE
     assert (settings.num_groups, settings.num_nodes) == (4, 2)
-    controller = EplbController(_state(), ControlSettings(window_size=50, step_interval=8))
+    controller = _controller(_state(), ControlSettings(window_size=50, step_interval=8))
     assert controller.window.window_size == 8
 
 
 def test_window_close_reports_current_and_planned_hotness():
-    """The monitoring snapshot carries the peak-to-mean report of the committed placement and
-    of the plan under the window's load."""
+    """A window's plan carries the peak-to-mean report of the committed placement and of the
+    plan under the window's load."""
     state = _state(layers=1, experts=4, redundant=4, ranks=2)  # slots: [0 1 2 3 | 0 1 2 3]
     better = torch.tensor([[0, 1, 2, 0, 3, 0, 1, 2]])  # any valid plan to report on
-    controller = EplbController(
-        state, ControlSettings(window_size=4, step_interval=8), planner=lambda load: better
+    controller = _controller(
+        state, ControlSettings(window_size=4, step_interval=8), lambda load: better
     )
     for _ in range(2):
         controller.begin_step(has_prefill=False, num_valid_tokens=4)
@@ -210,7 +239,8 @@ def test_window_close_reports_current_and_planned_hotness():
             state.record_enabled,
         )
         controller.end_step()
-    hotness = controller.snapshot()["last_hotness"]
+    ((_, plan),) = controller.plans
+    hotness = plan.hotness
     assert set(hotness) >= {
         "current_peak_to_mean_mean",
         "updated_peak_to_mean_max",

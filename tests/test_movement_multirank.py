@@ -19,7 +19,7 @@ def _movement_body(rank: int, world_size: int, formats: list[str]) -> dict:
     import eplb_graph
     from eplb_graph.control import ControlSettings
     from eplb_graph.movement.settings import MovementSettings
-    from eplb_graph.movement.worker import GroupRing
+    from eplb_graph.movement.transport import GroupRing
     from eplb_graph.runtime import EplbRuntime
     from tests.movement_fixtures import (
         expert_payloads,
@@ -53,7 +53,7 @@ def _movement_body(rank: int, world_size: int, formats: list[str]) -> dict:
         try:
             for _round in range(ROUNDS):
                 new = random_placement(generator, LAYERS, EXPERTS, placement.num_slots)
-                assert runtime.rearrange_to(new)
+                runtime.rearrange_to(new)
                 lockstep = torch.zeros(1)
                 for _ in range(2000):
                     committed = runtime.begin_step(has_prefill=False, num_valid_tokens=4)
@@ -142,7 +142,7 @@ def _sync_body(rank: int, world_size: int) -> dict:
 
     import eplb_graph
     from eplb_graph.control import ControlSettings
-    from eplb_graph.movement.worker import GroupRing
+    from eplb_graph.movement.transport import GroupRing
     from eplb_graph.runtime import EplbRuntime
     from tests.movement_fixtures import (
         expert_payloads,
@@ -188,7 +188,7 @@ def _record_body(rank: int, world_size: int, path: str) -> dict:
     import eplb_graph
     from eplb_graph.control import ControlSettings
     from eplb_graph.movement.settings import MovementSettings
-    from eplb_graph.movement.worker import GroupRing
+    from eplb_graph.movement.transport import GroupRing
     from eplb_graph.runtime import EplbRuntime
     from tests.movement_fixtures import expert_payloads, random_placement, rank_views
 

@@ -16,14 +16,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from eplb_graph.movement import (
-    LocalCopy,
-    Receive,
-    Send,
-    TraceEvent,
-    TransferPlanError,
-    plan_transfer,
-)
+from eplb_graph.movement import TransferPlanError, plan_transfer
+from eplb_graph.movement.planner import LocalCopy, Receive, Send, TraceEvent
 
 HYPOTHESIS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 COLUMNS = 3  # data columns per row; one more column carries the source slot tag

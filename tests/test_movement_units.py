@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from eplb_graph.control.controller import WindowLoad
 from eplb_graph.control.planning import PolicyPlanner
+from eplb_graph.control.window import WindowLoad
 from eplb_graph.movement.agreement import StoreAgreement
 from eplb_graph.movement.clock import StepClock
 from eplb_graph.movement.staging import BlockState, StagingOwnershipError, StagingPool

@@ -1,16 +1,22 @@
-"""Control plane: batch phases, the load window and the per-step state machine."""
+"""Control plane: batch phases, the load window and the per-step state machine.
 
-from eplb_graph.control.controller import (
-    EplbController,
+- ``phases``: which batches' load is collected;
+- ``window``: the device ring of load passes, its snapshots and their cross-rank reduction;
+- ``planning``: a reduced window through a registered policy (and what it tells us);
+- ``controller``: the per-step state machine that closes windows and hands them on;
+- ``settings``: its plain settings object.
+"""
+
+from eplb_graph.control.controller import EplbController
+from eplb_graph.control.phases import BatchPhase, CollectionPhase
+from eplb_graph.control.settings import ControlSettings
+from eplb_graph.control.window import (
+    LoadWindow,
     WindowLoad,
-    WindowReport,
-    balancedness_of_slots,
+    WindowSnapshot,
     local_reducer,
     process_group_reducer,
 )
-from eplb_graph.control.phases import BatchPhase, CollectionPhase
-from eplb_graph.control.settings import ControlSettings
-from eplb_graph.control.window import LoadWindow
 
 __all__ = [
     "BatchPhase",
@@ -19,8 +25,7 @@ __all__ = [
     "EplbController",
     "LoadWindow",
     "WindowLoad",
-    "WindowReport",
-    "balancedness_of_slots",
+    "WindowSnapshot",
     "local_reducer",
     "process_group_reducer",
 ]

@@ -1,16 +1,20 @@
-"""Turns a closed window's load into a new placement through a registered policy.
+"""Turns a closed window's reduced load into a new placement through a registered policy.
 
-Shared by the live runtime (run on the movement worker's thread in async mode) and the
-simulator, so a policy tuned in simulation behaves the same in serving.
+Shared by the live rebalance pipeline (on the movement worker's thread in async mode, inline in
+sync mode) and the simulator, so a policy tuned in simulation behaves the same in serving.
 """
 
 from __future__ import annotations
 
+import inspect
+import time
 from dataclasses import dataclass, field
 
 import torch
 
-from eplb_graph.control.controller import WindowLoad
+from eplb_graph.control.window import WindowLoad
+from eplb_graph.policy import expert_hotness, get_policy, rebalance
+from eplb_graph.policy.metrics import balancedness_of_slot_load
 
 HISTORY_OPTION = "previous_weight"
 
@@ -28,7 +32,7 @@ class PolicyPlanner:
     window this planner saw before, so it can measure how much popularity drifts between
     rebalances and hedge against it. The planner owns that history: the option cannot be set.
     Every rank's planner must see the same windows (the plan is agreed by digest across ranks),
-    so the worker :meth:`observe` s every window it reduces, whether it then plans it or not.
+    so the pipeline :meth:`observe` s every window it reduces, whether it then plans it or not.
     """
 
     policy: str
@@ -43,10 +47,6 @@ class PolicyPlanner:
     _before_latest: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        import inspect
-
-        from eplb_graph.policy import get_policy
-
         policy = get_policy(self.policy)  # unknown names fail at start-up, not at a window
         if HISTORY_OPTION in self.options:
             raise TypeError(
@@ -66,8 +66,6 @@ class PolicyPlanner:
                 )
 
     def __call__(self, load: WindowLoad) -> torch.Tensor | None:
-        from eplb_graph.policy import rebalance
-
         if float(load.logical.sum()) == 0.0:
             return None  # nothing was recorded: no evidence to plan on
         self.observe(load)
@@ -90,11 +88,55 @@ class PolicyPlanner:
     def observe(self, load: WindowLoad) -> None:
         """Remember a window's load as the history of later plans, without planning.
 
-        Idempotent per window (keyed by its close step), so the worker can observe every reduced
-        window before planning it, and a failure anywhere in planning leaves every rank's history
-        the same. Windows with no recorded load are not history.
+        Idempotent per window (keyed by its close step), so the pipeline can observe every
+        reduced window before planning it, and a failure anywhere in planning leaves every
+        rank's history the same. Windows with no recorded load are not history.
         """
         if float(load.logical.sum()) == 0.0 or load.step == self._latest_step:
             return
         self._before_latest, self._latest = self._latest, load.logical
         self._latest_step = load.step
+
+
+@dataclass(frozen=True)
+class WindowPlan:
+    """What planning made of one reduced window.
+
+    Attributes:
+        load: the reduced window.
+        new_phy2log: ``[L, P]``, or ``None`` when the planner kept the placement.
+        balancedness: of the committed placement under the window's executed slot load
+            (upstream's formula: sum of per-layer mean rank load over sum of per-layer max).
+        hotness: peak-to-mean rank load of the committed placement and of the plan (of the
+            committed one again when there is no plan) under the window's logical load.
+        seconds: time the planner took.
+    """
+
+    load: WindowLoad
+    new_phy2log: torch.Tensor | None
+    balancedness: float
+    hotness: dict
+    seconds: float
+
+
+def window_balancedness(load: WindowLoad, num_ranks: int) -> float:
+    """Balancedness of the executed slot load of a reduced window."""
+    return balancedness_of_slot_load(load.physical, num_ranks)
+
+
+def plan_window(load: WindowLoad, planner, num_ranks: int) -> WindowPlan:
+    """Observe, plan and measure one reduced window (``planner``: ``WindowLoad -> phy2log|None``).
+
+    ``observe`` runs before planning (and before anything that can fail), so a planning failure
+    on one rank never splits the ranks' planner histories.
+    """
+    observe = getattr(planner, "observe", None)
+    if observe is not None:
+        observe(load)
+    started = time.perf_counter()
+    new_phy2log = planner(load)
+    seconds = time.perf_counter() - started
+    logical = load.logical.sum(dim=0).to(torch.float64)
+    proposed = load.committed if new_phy2log is None else new_phy2log
+    hotness = expert_hotness(load.committed, proposed, logical, num_ranks).as_dict()
+    return WindowPlan(load, new_phy2log, window_balancedness(load, num_ranks), hotness, seconds)

@@ -1,15 +1,41 @@
-"""Device ring window of per-step load passes, folded to logical space per recording placement.
+"""The load window: a device ring of per-step load passes, its snapshots, and their reduction.
 
 Each step's load pass ``[L, P]`` (physical-slot counts written by the routing op) is copied into
 row ``cursor`` of a ring ``[W, L, P]`` allocated once, and the pass is zeroed, all in place and
 without a host sync. Next to every row the window keeps the committed placement that was live
 while that row was recorded (an immutable host snapshot shared by all rows of one placement
 version), so folding to logical experts never attributes old-placement counts to new experts.
+
+At a window close the rows are copied into one of two snapshot buffers (still on the device, no
+host sync) and handed to whoever plans; planning folds them to logical experts and sums them
+across ranks in one collective (:func:`reduce_window`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
+
+LoadReducer = Callable[[torch.Tensor], torch.Tensor]
+"""Sums a CPU tensor across EP ranks (in place or not) and returns the sum; one collective."""
+
+
+def local_reducer(tensor: torch.Tensor) -> torch.Tensor:
+    """Single-process reducer (simulator, tests): the local load is the global load."""
+    return tensor
+
+
+def process_group_reducer(group) -> LoadReducer:
+    """All-reduce on ``group`` (a gloo group for CPU tensors; the EPLB group, never serving's)."""
+    import torch.distributed as dist
+
+    def reduce(tensor: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(tensor, group=group)
+        return tensor
+
+    return reduce
 
 
 class LoadWindow:
@@ -65,20 +91,6 @@ class LoadWindow:
         start = (self.cursor - filled) % self.window_size
         return [(start + i) % self.window_size for i in range(filled)]
 
-    def physical_total(self) -> torch.Tensor:
-        """``[L, P]`` sum of the window (on the window's device)."""
-        return self.rows.sum(dim=0)
-
-    def logical_samples(self, num_logical: int, num_samples: int) -> torch.Tensor:
-        """Fold the window to logical experts in ``num_samples`` time buckets.
-
-        Returns ``[S, L, N]`` int64 on the CPU, oldest bucket first, with S = min(num_samples,
-        rows written). Each row is folded with the placement it was recorded under; rows that
-        recorded nothing contribute zero.
-        """
-        rows, placements = self.snapshot()
-        return fold_to_logical(rows, placements, num_logical, num_samples)
-
     def snapshot(self, out: torch.Tensor | None = None) -> tuple[torch.Tensor, list]:
         """The written rows in chronological order and their placements.
 
@@ -93,12 +105,6 @@ class LoadWindow:
         else:
             rows = torch.index_select(self.rows, 0, index, out=out[: len(order)])
         return rows, [self._placements[row] for row in order]
-
-    def reset_(self) -> None:
-        self.rows.zero_()
-        self._placements = [None] * self.window_size
-        self.cursor = 0
-        self.steps_seen = 0
 
 
 def fold_to_logical(
@@ -128,3 +134,103 @@ def fold_to_logical(
         logical.scatter_add_(2, placement.expand_as(physical), physical)
         samples.index_add_(0, bucket_of_row.index_select(0, index), logical)
     return samples
+
+
+@dataclass(frozen=True)
+class WindowSnapshot:
+    """A closed window, before any reduction: what the controller hands to planning.
+
+    ``rows`` is a view of one of two buffers the controller allocated once and alternates
+    between. Whoever plans copies it first thing and then checks ``still_valid()`` (the buffer
+    was not refilled meanwhile), so a late reader detects reuse instead of reading torn data.
+    """
+
+    step: int
+    rows: torch.Tensor  # [r, L, P] chronological, on the state's device
+    placements: list  # [r] phy2log [L, P] per row (None: not recorded)
+    committed: torch.Tensor  # [L, P] phy2log live at the close
+    still_valid: Callable[[], bool] = lambda: True
+    ready: object | None = None  # device event recorded after the copy (None on CPU)
+
+    def copy_rows(self) -> torch.Tensor | None:
+        """The rows on the host; ``None`` if the buffer was reused meanwhile (a seqlock: the
+        version is checked after the copy)."""
+        if self.ready is not None:
+            self.ready.synchronize()  # the device copy into the buffer has finished
+        rows = self.rows.to("cpu", copy=True)
+        return rows if self.still_valid() else None
+
+
+class SnapshotBuffers:
+    """Two snapshot buffers ``[W, L, P]`` on the window's device, alternated at each close.
+
+    A snapshot stays intact until the close after next; each buffer carries a version that the
+    snapshot's ``still_valid`` compares, so a reader that comes later than that finds out.
+    """
+
+    def __init__(self, window: LoadWindow) -> None:
+        self._window = window
+        self._buffers = [torch.empty_like(window.rows) for _ in range(2)]
+        self._versions = [0, 0]
+        self._closes = 0
+
+    def take(self, step: int, committed: torch.Tensor) -> WindowSnapshot:
+        """Snapshot the window into the next buffer (in place, no host sync)."""
+        index = self._closes % 2
+        self._closes += 1
+        self._versions[index] += 1  # invalidates any snapshot still pointing here
+        version = self._versions[index]
+        rows, placements = self._window.snapshot(out=self._buffers[index])
+        ready = None
+        if rows.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+
+        def still_valid() -> bool:
+            return self._versions[index] == version
+
+        return WindowSnapshot(step, rows, placements, committed, still_valid, ready)
+
+
+@dataclass(frozen=True)
+class WindowLoad:
+    """The reduced load of one closed window (identical on every rank)."""
+
+    step: int
+    logical: torch.Tensor  # [S, L, N] int64, oldest time bucket first
+    physical: torch.Tensor  # [L, P] int64, summed over the window
+    committed: torch.Tensor  # [L, P] phy2log the window is planned against
+
+
+def reduce_window(
+    rows: torch.Tensor,
+    snapshot: WindowSnapshot,
+    committed: torch.Tensor,
+    reduce: LoadReducer,
+    num_logical: int,
+    time_samples: int,
+) -> WindowLoad:
+    """Fold a window's host ``rows`` to logical experts and sum them across ranks in one
+    collective.
+
+    The collective's size depends only on shapes every rank shares, and it is issued even if
+    the local fold fails (with zeros; the error is re-raised after), so a local failure never
+    leaves a peer paired with a different collective.
+    """
+    count, num_layers, num_slots = rows.shape
+    buckets = max(1, min(time_samples, count))
+    logical_size = buckets * num_layers * num_logical
+    failure: Exception | None = None
+    try:
+        logical = fold_to_logical(rows, snapshot.placements, num_logical, time_samples)
+        physical = rows.sum(dim=0).to("cpu", torch.int64)
+        packed = torch.cat([logical.reshape(-1), physical.reshape(-1)])
+    except Exception as error:  # still take part in the collective
+        failure = error
+        packed = torch.zeros(logical_size + num_layers * num_slots, dtype=torch.int64)
+    packed = reduce(packed)
+    if failure is not None:
+        raise failure
+    logical = packed[:logical_size].view(buckets, num_layers, num_logical)
+    physical = packed[logical_size:].view(num_layers, num_slots)
+    return WindowLoad(snapshot.step, logical, physical, committed)

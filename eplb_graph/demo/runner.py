@@ -20,7 +20,7 @@ from eplb_graph.control import ControlSettings
 from eplb_graph.demo.traffic import DemoTraffic, TrafficSpec
 from eplb_graph.models.ep_moe import CompiledRegions, EpMoEConfig, EpMoERank, ExpertCheckpoint
 from eplb_graph.movement.settings import MovementSettings
-from eplb_graph.movement.worker import GroupRing
+from eplb_graph.movement.transport import GroupRing
 from eplb_graph.placement import Placement
 from eplb_graph.progress import ProgressBar
 from eplb_graph.runtime import EplbRuntime
@@ -210,7 +210,7 @@ def run_rank(rank: int, world_size: int, options: DemoOptions) -> dict | None:
     metrics = runtime.metrics()
     movement = metrics["movement"]
     graphs_end, breaks_end = _graph_counters()
-    commit_seconds = runtime.scheduler.stats.commit_seconds
+    commit_seconds = runtime.installer.stats.commit_seconds
     pointers_stable = pointers == ([v.data_ptrs() for v in model.views], state.data_ptrs())
     # Cross-rank totals (one collective at the end, on the serving group).
     totals = torch.tensor(

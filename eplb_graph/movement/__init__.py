@@ -1,28 +1,27 @@
-"""Movement plane: weight views per format and hazard-free transfer plans.
+"""Movement plane: moving expert weights between ranks and committing them between steps.
 
-- :mod:`~eplb_graph.movement.views`: the exact storage each fused kernel reads, packed one expert
-  per payload and written back in place (invariant 5).
-- :mod:`~eplb_graph.movement.planner`: pure, deterministic per-layer transfer plans, identical on
-  every rank, with an in-process executor for tests and simulation.
+Rooms, bottom to top:
 
-The gloo-staged communicator, the async worker and the commit scheduler live in sibling modules
-of this package (``communicator``, ``staging``, ``worker``, ``scheduler``); they are imported
-from there directly and are not re-exported here, so importing the pure planning code never pulls
-in ``torch.distributed`` machinery.
+- ``views``: the exact storage each fused kernel reads, packed one expert per payload and
+  written back in place (invariant 5);
+- ``planner``: pure, deterministic per-layer transfer plans, identical on every rank, with an
+  in-process executor for tests and simulation;
+- ``staging``: staging memory handed between threads by ownership, packing sources and
+  installing payloads;
+- ``transport``: the gloo groups EPLB owns (``GroupRing``) and the batched point-to-point
+  exchange;
+- ``agreement`` and ``clock``: store-decided votes and the commit fence;
+- ``rebalance``: the one pipeline (reduce, plan, agree, stage, exchange, deliver);
+- ``worker``, ``messages``, ``scheduler``: its asynchronous mode (job loop on a thread, what the
+  thread hands the main thread, and the main thread's installs at agreed steps).
+
+This package exports the planning and weight-view API; the runtime pieces are imported from
+their modules (``eplb_graph`` exports what a model runner needs).
 """
 
 from __future__ import annotations
 
-from eplb_graph.movement.planner import (
-    LocalCopy,
-    RankPlan,
-    Receive,
-    Send,
-    TraceEvent,
-    TransferPlan,
-    TransferPlanError,
-    plan_transfer,
-)
+from eplb_graph.movement.planner import TransferPlan, TransferPlanError, plan_transfer
 from eplb_graph.movement.views import (
     ExpertWeightView,
     InternalLayoutView,
@@ -46,15 +45,10 @@ from eplb_graph.movement.views import (
 __all__ = [
     "ExpertWeightView",
     "InternalLayoutView",
-    "LocalCopy",
     "PackedSlotView",
     "PayloadSection",
-    "RankPlan",
-    "Receive",
-    "Send",
     "SlotField",
     "StridedPackedView",
-    "TraceEvent",
     "TransferPlan",
     "TransferPlanError",
     "UnquantizedView",

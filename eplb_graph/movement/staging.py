@@ -1,4 +1,6 @@
-"""Staging memory for weight movement: allocated once, handed between threads by ownership.
+"""Staging memory for weight movement, and the two ends of it: packing sources, installing.
+
+Staging memory is allocated once and handed between threads by ownership.
 
 A :class:`StagingBlock` holds one layer's traffic on this rank: the packed payloads of every
 local slot that must be read before anything is written (sources of sends and local copies), and
@@ -17,10 +19,13 @@ from __future__ import annotations
 import enum
 import threading
 import time
+from dataclasses import dataclass, field
 
 import torch
 
 from eplb_graph.errors import EplbError
+from eplb_graph.movement.planner import RankPlan
+from eplb_graph.state import EplbState, PreparedLayer
 
 
 class BlockState(enum.Enum):
@@ -122,3 +127,70 @@ class StagingPool:
     def states(self) -> list[BlockState]:
         with self._condition:
             return [block.state for block in self.blocks]
+
+
+def stage_reads_(view, rank_plan: RankPlan, block: StagingBlock) -> None:
+    """Pack every slot this rank must read (send and local-copy sources) into ``block.reads``.
+
+    Runs before any destination is written (the main thread writes only at commit), so swaps and
+    cycles inside a rank read their old values.
+    """
+    block.read_rows = {}
+    for row, slot in enumerate(rank_plan.staged_reads):
+        view.pack_slot(slot, block.reads[row])
+        block.read_rows[slot] = row
+
+
+def install_layer_(view, rank_plan: RankPlan, block: StagingBlock) -> int:
+    """At commit: write received and locally copied payloads into the live storage.
+
+    Returns the number of slots written. Unchanged slots are never touched.
+    """
+    written = 0
+    for row, receive in enumerate(rank_plan.receives):
+        for slot in receive.dst_slots:
+            view.unpack_slot_(slot, block.receives[row])
+            written += 1
+    for copy in rank_plan.local_copies:
+        source = block.reads[block.read_rows[copy.src_slot]]
+        for slot in copy.dst_slots:
+            view.unpack_slot_(slot, source)
+            written += 1
+    return written
+
+
+@dataclass
+class InstallStats:
+    """What the main thread installed (plain values, for metrics)."""
+
+    layers_committed: int = 0
+    slots_written: int = 0
+    bytes_installed: int = 0
+    commit_seconds: list[float] = field(default_factory=list)  # per layer, main thread
+
+
+class LayerInstaller:
+    """Main thread: installs a staged layer, commits its placement, then frees its block.
+
+    The order is the point (invariant 6): weights first, then the layer's lookup (so a token
+    routed by the new lookup finds the new weights), and only then is the staging block released
+    to the worker, which may refill it.
+    """
+
+    def __init__(self, state: EplbState, views, pool: StagingPool) -> None:
+        self.state = state
+        self.views = list(views)
+        self.pool = pool
+        self.stats = InstallStats()
+
+    def install_(
+        self, layer: int, rank_plan: RankPlan, block: StagingBlock, prepared: PreparedLayer
+    ) -> None:
+        started = time.perf_counter()
+        written = install_layer_(self.views[layer], rank_plan, block)
+        self.state.commit_prepared_(layer, prepared)
+        self.pool.release(block)  # only now may the worker reuse this memory
+        self.stats.commit_seconds.append(time.perf_counter() - started)
+        self.stats.layers_committed += 1
+        self.stats.slots_written += written
+        self.stats.bytes_installed += written * self.views[layer].slot_nbytes

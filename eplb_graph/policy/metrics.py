@@ -13,7 +13,14 @@ import torch
 
 from eplb_graph.placement import replica_counts
 
-__all__ = ["HotnessReport", "balancedness", "expert_hotness", "peak_to_mean", "rank_load"]
+__all__ = [
+    "HotnessReport",
+    "balancedness",
+    "balancedness_of_slot_load",
+    "expert_hotness",
+    "peak_to_mean",
+    "rank_load",
+]
 
 
 def balancedness(tokens_per_rank: torch.Tensor) -> float:
@@ -37,6 +44,14 @@ def balancedness(tokens_per_rank: torch.Tensor) -> float:
     if peak <= 0.0:
         return 0.0
     return float(load.mean(dim=1).sum()) / peak
+
+
+def balancedness_of_slot_load(slot_load: torch.Tensor, num_ranks: int) -> float:
+    """:func:`balancedness` of executed slot load ``[L, P]`` folded to ranks (slot ``p`` lives
+    on rank ``p // (P / num_ranks)``); 0 when nothing ran."""
+    per_rank = slot_load.to(torch.float64).reshape(slot_load.shape[0], num_ranks, -1).sum(dim=2)
+    peak = float(per_rank.max(dim=1).values.sum())
+    return 0.0 if peak == 0.0 else float(per_rank.mean(dim=1).sum()) / peak
 
 
 def rank_load(phy2log: torch.Tensor, logical_load: torch.Tensor, num_ranks: int) -> torch.Tensor:

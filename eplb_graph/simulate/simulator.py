@@ -16,8 +16,10 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from eplb_graph.control import ControlSettings, EplbController, WindowReport
-from eplb_graph.control.planning import PolicyPlanner
+from eplb_graph.control.controller import EplbController
+from eplb_graph.control.planning import PolicyPlanner, WindowPlan, plan_window
+from eplb_graph.control.settings import ControlSettings
+from eplb_graph.control.window import WindowSnapshot, local_reducer, reduce_window
 from eplb_graph.placement import Placement
 from eplb_graph.progress import ProgressBar
 from eplb_graph.simulate.trace import LoadTrace
@@ -150,24 +152,39 @@ def _simulate(
     )
     rebalances: list[RebalanceRecord] = []
 
-    def commit_at_once(report: WindowReport) -> None:
-        old = report.load.committed
-        new = report.new_phy2log
+    def commit_at_once(plan: WindowPlan) -> None:
+        old = plan.load.committed
+        new = plan.new_phy2log
         transfers = transfers_between(old, new, cluster.num_ranks)
         rebalances.append(
             RebalanceRecord(
-                step=report.load.step,
+                step=plan.load.step,
                 slots_changed=float((old != new).double().mean()),
                 transfers=int(transfers.sum()),
                 bytes_moved=int(transfers.sum()) * cluster.expert_bytes,
                 layers_changed=int((old != new).any(dim=1).sum()),
-                policy_seconds=report.planner_seconds,
-                window_balancedness=report.balancedness,
+                policy_seconds=plan.seconds,
+                window_balancedness=plan.balancedness,
             )
         )
         state.commit_(Placement(new, trace.num_experts, cluster.num_ranks))
 
-    controller = EplbController(state, settings, planner=planner, on_plan=commit_at_once)
+    def plan_closed_window(snapshot: WindowSnapshot) -> None:
+        """The rebalance pipeline without movement: reduce locally, plan, commit at once."""
+        rows = snapshot.copy_rows()
+        load = reduce_window(
+            rows,
+            snapshot,
+            snapshot.committed,
+            local_reducer,
+            trace.num_experts,
+            settings.time_samples,
+        )
+        plan = plan_window(load, planner, cluster.num_ranks)
+        if plan.new_phy2log is not None:
+            commit_at_once(plan)
+
+    controller = EplbController(state, settings, plan_closed_window)
     baseline_split = _EvenSplit(placement.phy2log, trace.num_experts)
     splits: dict[int, _EvenSplit] = {}
     popularity = torch.from_numpy(trace.popularity).to(torch.float64)

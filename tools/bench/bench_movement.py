@@ -6,7 +6,7 @@ Usage::
 
 Four measurements (issue 4, acceptance bullet on ``bench_movement``):
 
-1. **Staging and exchange** (spawned gloo ranks, ``tests/distributed.run_ranks``). Every rank
+1. **Staging and exchange** (spawned gloo ranks, ``eplb_graph.launch.spawn_ranks``). Every rank
    holds ``L`` layers of an unquantized bf16 expert (Qwen3-30B-A3B geometry: hidden 2048, MoE
    intermediate 768, so 9.44 MB per expert) in ``S`` slots. The plan of every layer shifts the
    global slot row by ``S - 2``: on each rank the first 2 slots take experts from the rank's own
@@ -174,13 +174,8 @@ def _exchange_part(rank: int, world_size: int, config: ExchangeConfig, views) ->
     """Part 1: staging, exchange (ours, raw, raw bulk) and install timings, per layer."""
     import torch.distributed as dist
 
-    from eplb_graph.movement.communicator import (
-        GlooStagedCommunicator,
-        global_transfers,
-        install_layer_,
-        stage_reads_,
-    )
-    from eplb_graph.movement.staging import StagingPool
+    from eplb_graph.movement.staging import StagingPool, install_layer_, stage_reads_
+    from eplb_graph.movement.transport import GlooStagedCommunicator, global_transfers
 
     per_rank, slot_nbytes = config.slots_per_rank, config.slot_nbytes
     old, new = shifted_rows(per_rank, world_size)
@@ -194,7 +189,7 @@ def _exchange_part(rank: int, world_size: int, config: ExchangeConfig, views) ->
 
     # Correctness first: one layer staged, exchanged, installed, every slot checked.
     stage_reads_(views[0], rank_plan, block)
-    communicator.exchange(plan, block)
+    communicator.exchange(plan, block, layer=0)
     install_layer_(views[0], rank_plan, block)
     wrong = _wrong_slots(views[:1], new, rank)
     if wrong:
@@ -244,7 +239,7 @@ def _exchange_part(rank: int, world_size: int, config: ExchangeConfig, views) ->
         "stage": lambda: stage_reads_(views[layer_box[0]], rank_plan, block),
         "copy_floor": lambda: block.reads[:staged].copy_(floor_source),
         "ours": lambda: communicator.exchange(
-            plan, block, tag_base=layer_box[0] * 1_000_003 % (1 << 30)
+            plan, block, layer=layer_box[0]
         ),
         "raw": raw,
         "raw_bulk": raw_bulk,
@@ -286,7 +281,7 @@ def _commit_part(rank: int, world_size: int, config: ExchangeConfig, views) -> d
 
     from eplb_graph.control import ControlSettings
     from eplb_graph.movement.settings import MovementSettings
-    from eplb_graph.movement.worker import GroupRing
+    from eplb_graph.movement.transport import GroupRing
     from eplb_graph.placement import Placement
     from eplb_graph.runtime import EplbRuntime
     from eplb_graph.state import EplbState
@@ -341,7 +336,7 @@ def _commit_part(rank: int, world_size: int, config: ExchangeConfig, views) -> d
         if wrong:
             raise AssertionError(f"rank {rank}: wrong slots after the runtime rounds: {wrong[:8]}")
         metrics = runtime.metrics()["movement"]
-        stats = runtime.scheduler.stats
+        stats = runtime.installer.stats
     finally:
         runtime.close()
     # Attribution: the lookup part of a commit alone, on a scratch state (same shape).
@@ -658,9 +653,8 @@ def bench_main_thread(threads: int, quick: bool) -> dict:
         "recorded_steps": recorded_steps,
         "calls": dict(counter.counts),
         "group_provider_calls": groups.calls,
-        "worker_started": runtime.worker.stats.rearrangements_started,
-        "windows_closed": controller.rearrangements_planned
-        + getattr(controller, "windows_skipped_busy", 0),
+        "worker_started": runtime.pipeline.stats.rearrangements_started,
+        "windows_closed": controller.windows_closed,
     }
     runtime.close()
     us = {name: [v / 1e3 for v in values] for name, values in samples.items()}
@@ -1029,7 +1023,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    from tests.distributed import run_ranks
+    from eplb_graph.launch import spawn_ranks
 
     ranks = args.ranks or ([2] if args.quick else [2, 4])
     if args.omp_wait_policy:
@@ -1063,7 +1057,7 @@ def main(argv: list[str] | None = None) -> int:
             if config.slots_per_rank < 4:
                 config = ExchangeConfig(**{**asdict(config), "slots_per_rank": 4})
             try:
-                results = run_ranks(_movement_rank, world_size, config, timeout_s=900)
+                results = spawn_ranks(_movement_rank, world_size, config, timeout_s=900)
             except Exception:
                 traceback.print_exc()
                 failed = True

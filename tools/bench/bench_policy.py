@@ -53,8 +53,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from eplb_graph.control.controller import WindowLoad
 from eplb_graph.control.planning import PolicyPlanner
+from eplb_graph.control.window import WindowLoad
 from eplb_graph.policy import (
     balancedness,
     rank_load,

@@ -1,4 +1,4 @@
-"""Point-to-point exchange of staged expert payloads over a dedicated gloo group.
+"""Transport: the gloo groups EPLB owns and the point-to-point exchange of staged payloads.
 
 Why gloo, through CPU memory: the serving group's device communicator (HCCL/NCCL) is busy with
 the forward's all-to-alls and its buffers are sized for them; sharing it risks hangs and memory
@@ -14,19 +14,23 @@ hundreds of outstanding operations from piling up on one pair.
 Failure: a wait that exceeds ``timeout_s`` raises :class:`TransferError`. Gloo closes the pair
 on a timeout, so every peer's next operation on this group fails fast too: the group is treated
 as suspect: the next job probes it, and all ranks move to the next pre-built group together if
-any rank finds it broken (see ``worker``).
+any rank finds it broken (see ``rebalance``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from eplb_graph.errors import EplbError
 from eplb_graph.movement.staging import StagingBlock
+
+logger = logging.getLogger(__name__)
 
 
 class TransferError(EplbError, RuntimeError):
@@ -52,16 +56,22 @@ def global_transfers(plan) -> list[Transfer]:
     return sorted(transfers, key=lambda t: (t.expert, t.dst_rank, t.src_rank))
 
 
-def stage_reads_(view, rank_plan, block: StagingBlock) -> None:
-    """Pack every slot this rank must read (send and local-copy sources) into ``block.reads``.
+def exchange_tag(layer: int) -> int:
+    """The first point-to-point tag of ``layer``'s exchange: distinct layers use far-apart tag
+    ranges, so a straggling message of one layer can never match a receive of another."""
+    return layer * 1_000_003 % (1 << 30)
 
-    Runs before any destination is written (the main thread writes only at commit), so swaps and
-    cycles inside a rank read their old values.
-    """
-    block.read_rows = {}
-    for row, slot in enumerate(rank_plan.staged_reads):
-        view.pack_slot(slot, block.reads[row])
-        block.read_rows[slot] = row
+
+def probe_group(group, timeout_s: float) -> bool:
+    """A one-element all-reduce: does ``group`` still connect every rank?"""
+    try:
+        probe = torch.ones(1)
+        work = dist.all_reduce(probe, group=group, async_op=True)
+        work.wait(timedelta(seconds=timeout_s))
+        return True
+    except Exception as failure:
+        logger.warning("EPLB movement group probe failed: %s", failure)
+        return False
 
 
 class GlooStagedCommunicator:
@@ -84,9 +94,10 @@ class GlooStagedCommunicator:
         self.bytes_sent = 0
         self.bytes_received = 0
 
-    def exchange(self, plan, block: StagingBlock, tag_base: int = 0) -> None:
-        """Send staged sources to peers and receive into ``block.receives`` (row = receive index
-        in ``plan.ranks[rank].receives``)."""
+    def exchange(self, plan, block: StagingBlock, *, layer: int) -> None:
+        """Send ``layer``'s staged sources to peers and receive into ``block.receives`` (row =
+        receive index in ``plan.ranks[rank].receives``)."""
+        tag_base = exchange_tag(layer)
         rank_plan = plan.ranks[self.rank]
         receive_row = {(r.src_rank, r.expert): row for row, r in enumerate(rank_plan.receives)}
         send_slot = {(s.dst_rank, s.expert): s.src_slot for s in rank_plan.sends}
@@ -134,19 +145,35 @@ class GlooStagedCommunicator:
                 ) from error
 
 
-def install_layer_(view, rank_plan, block: StagingBlock) -> int:
-    """Main thread, at commit: write received and locally copied payloads into the live storage.
+class GroupRing:
+    """Gloo groups created up front, on the main thread, collectively on every rank.
 
-    Returns the number of slots written. Unchanged slots are never touched.
+    The worker uses the current group until an abort poisons it (gloo closes connections on a
+    timeout), then moves to the next. Creating groups from the worker thread instead would race
+    with the main thread's use of torch.distributed's global registry. When the ring is
+    exhausted EPLB movement stops, loudly (``GroupsExhausted``), instead of stalling silently.
     """
-    written = 0
-    for row, receive in enumerate(rank_plan.receives):
-        for slot in receive.dst_slots:
-            view.unpack_slot_(slot, block.receives[row])
-            written += 1
-    for copy in rank_plan.local_copies:
-        source = block.reads[block.read_rows[copy.src_slot]]
-        for slot in copy.dst_slots:
-            view.unpack_slot_(slot, source)
-            written += 1
-    return written
+
+    def __init__(self, size: int = 4, *, timeout_s: float = 60.0, ranks=None) -> None:
+        if size < 1:
+            raise ValueError(f"group ring size must be >= 1, got {size}")
+        self._groups = [
+            dist.new_group(ranks=ranks, backend="gloo", timeout=timedelta(seconds=timeout_s))
+            for _ in range(size)
+        ]
+        self._index = 0
+
+    def __call__(self):
+        if self._index >= len(self._groups):
+            raise GroupsExhausted(
+                f"all {len(self._groups)} EPLB movement groups were poisoned by failures; "
+                "movement is disabled until restart"
+            )
+        return self._groups[self._index]
+
+    def poison(self) -> None:
+        self._index += 1
+
+
+class GroupsExhausted(EplbError, RuntimeError):
+    """Every pre-created movement group was poisoned by an abort."""
