@@ -1,11 +1,11 @@
 """eplb-graph: a graph-capture-first Expert Parallelism Load Balancer for MoE inference.
 
-Importing this package registers ``torch.ops.eplb_graph.*`` (see ``custom_ops``).
+Importing this package registers ``torch.ops.eplb_graph.*`` (see ``eplb_graph.ops``).
 """
 
 from __future__ import annotations
 
-import custom_ops as _custom_ops  # noqa: F401  (registers torch.ops.eplb_graph)
+from eplb_graph import ops as _ops  # noqa: F401  (registers torch.ops.eplb_graph)
 from eplb_graph.config import ConfigError, EplbConfig, LegacyEplbConfig, resolve_eplb_config
 from eplb_graph.errors import EplbError
 from eplb_graph.expert_map import ExpertMapError
