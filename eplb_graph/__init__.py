@@ -14,7 +14,7 @@ Importing this package registers ``torch.ops.eplb_graph.*`` (see ``eplb_graph.op
 
 from __future__ import annotations
 
-import custom_ops as _custom_ops  # noqa: F401  (registers torch.ops.eplb_graph)
+from eplb_graph import ops as _ops  # noqa: F401  (registers torch.ops.eplb_graph)
 from eplb_graph.config import ConfigError, EplbConfig, LegacyEplbConfig, resolve_eplb_config
 from eplb_graph.control.settings import ControlSettings
 from eplb_graph.errors import EplbError

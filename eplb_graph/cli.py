@@ -25,16 +25,16 @@ def _write_json(path: str | None, report: dict) -> None:
 
 def _info(args: argparse.Namespace) -> int:
     """Report the op library's state on this machine: where each device's calls go."""
-    import custom_ops
+    from eplb_graph import ops
     from eplb_graph.testing import available_graph_modes
 
     if args.build_native:
-        custom_ops.native.ensure_loaded()
+        ops.native.ensure_loaded()
     report = {
         "torch": torch.__version__,
-        "native_cpu_kernel": custom_ops.native.status().value,
-        "native_failure": custom_ops.native.failure_reason(),
-        "ops": sorted(custom_ops.op_handles()),
+        "native_cpu_kernel": ops.native.status().value,
+        "native_failure": ops.native.failure_reason(),
+        "ops": sorted(ops.op_handles()),
         "graph_modes": available_graph_modes(),
         "cuda_available": torch.cuda.is_available(),
     }

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from custom_ops._checks import INDEX_DTYPES
+from eplb_graph.ops import INDEX_DTYPES
 from eplb_graph.placement import (
     Placement,
     PlacementError,

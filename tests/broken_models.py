@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 import eplb_graph
-from custom_ops.ops import map_and_record, map_to_physical, record_load
 from eplb_graph.models import TinyMoE, TinyMoEConfig
+from eplb_graph.ops import map_and_record, map_to_physical, record_load
 from eplb_graph.placement import Placement
 
 CONFIG = TinyMoEConfig(num_layers=2, hidden=16, intermediate=24, num_experts=8, top_k=2)

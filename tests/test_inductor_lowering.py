@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
 
-import custom_ops
 import eplb_graph
-from custom_ops import inductor as lowering
+from eplb_graph.ops import inductor as lowering
+from eplb_graph.ops import native
 
 
 def _routed(state: eplb_graph.EplbState):
@@ -55,8 +55,8 @@ def _compile_and_compare(state, ids):
 
 
 def test_native_cpu_kernel_stays_one_extern_call_under_inductor():
-    if not custom_ops.native.ensure_loaded():
-        pytest.fail(f"native CPU kernel unavailable: {custom_ops.native.failure_reason()}")
+    if not native.ensure_loaded():
+        pytest.fail(f"native CPU kernel unavailable: {native.failure_reason()}")
     ids = torch.randint(-2, 18, (64, 4))
     code = _compile_and_compare(_state(), ids)
     assert code.count("= torch.ops.eplb_graph.map_and_record.default(") == 1

@@ -12,17 +12,17 @@ ROOT = Path(__file__).resolve().parents[1]
 PROBE = """
 import logging, torch
 logging.basicConfig(level=logging.WARNING)
-import custom_ops
-from custom_ops.reference import map_and_record_ref
+from eplb_graph import ops
+from eplb_graph.ops.reference import map_and_record_ref
 ids = torch.randint(-1, 9, (64, 2))
 table = torch.tensor([[0, 8], [1, -1], [2, -1], [3, -1], [4, -1], [5, -1], [6, -1], [7, 9]])
 count = torch.tensor([2, 1, 1, 1, 1, 1, 1, 2])
 offset, valid, on = torch.tensor(5), torch.tensor(40), torch.tensor(True)
 load, expected_load = torch.zeros(10, dtype=torch.int64), torch.zeros(10, dtype=torch.int64)
-got = custom_ops.map_and_record(ids, table, count, offset, load, valid, on)
+got = ops.map_and_record(ids, table, count, offset, load, valid, on)
 expected = map_and_record_ref(ids, table, count, offset, expected_load, valid, on)
 assert torch.equal(got, expected) and torch.equal(load, expected_load)
-print("STATUS", custom_ops.native.status().value)
+print("STATUS", ops.native.status().value)
 """
 
 

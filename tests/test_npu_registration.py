@@ -12,7 +12,7 @@ import types
 
 import torch
 
-from custom_ops import npu
+from eplb_graph.ops import npu
 
 
 def test_cpu_only_import_never_touches_torch_npu():

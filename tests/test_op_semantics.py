@@ -4,7 +4,7 @@ The oracle below is written from the op spec (loops over t and k, Python integer
 library code. Every property is checked against both implementations:
 
 - ``native``: ``torch.ops.eplb_graph.*`` on CPU tensors, which dispatches to the fused C++ kernel;
-- ``reference``: ``custom_ops.reference.*_ref`` called directly (the ATen oracle of every device).
+- ``reference``: ``eplb_graph.ops.reference.*_ref`` called directly (every device's ATen oracle).
 """
 
 from __future__ import annotations
@@ -18,10 +18,9 @@ from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import custom_ops
-from custom_ops import native
-from custom_ops.reference import map_and_record_ref, map_to_physical_ref, record_load_ref
-from eplb_graph import EplbState, Placement
+from eplb_graph import EplbState, Placement, ops
+from eplb_graph.ops import native
+from eplb_graph.ops.reference import map_and_record_ref, map_to_physical_ref, record_load_ref
 
 OPS = torch.ops.eplb_graph
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -706,7 +705,7 @@ def test_invariant9_no_host_sync_in_reference_kernels(case):
 
 
 def test_op_handles_cover_every_op():
-    assert set(custom_ops.op_handles()) == {"map_to_physical", "record_load", "map_and_record"}
+    assert set(ops.op_handles()) == {"map_to_physical", "record_load", "map_and_record"}
 
 
 def test_oracle_hash_matches_known_values():
@@ -720,4 +719,4 @@ def test_oracle_hash_matches_known_values():
     for _ in range(20):
         t, off = rng.randrange(1000), rng.randrange(-(2**62), 2**62)
         row = torch.tensor(oracle_hash(t, off))
-        assert int(custom_ops.replica_hash(t + 1, torch.tensor(off))[t]) == int(row)
+        assert int(ops.replica_hash(t + 1, torch.tensor(off))[t]) == int(row)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import custom_ops
-from custom_ops import native
-from custom_ops.reference import map_to_physical_ref
+from eplb_graph import ops
+from eplb_graph.ops import native
+from eplb_graph.ops.reference import map_to_physical_ref
 
 NUM_EXPERTS = 8
 ROWS = [0, 1, 16, 1024]
@@ -90,7 +90,7 @@ ARGS = {
 @pytest.mark.parametrize("op", list(ARGS))
 def test_opcheck(op, rows, top_k, dtypes, redundancy):
     inputs = make_inputs(rows, top_k, dtypes, redundancy)
-    handle = custom_ops.op_handles()[op]
+    handle = ops.op_handles()[op]
     # Every check must pass; opcheck raises OpCheckError with the failing check otherwise.
     result = torch.library.opcheck(handle, tuple(inputs[name] for name in ARGS[op]))
     assert set(result.values()) == {"SUCCESS"}, result
@@ -103,10 +103,10 @@ def test_opcheck_with_record_disabled_and_padding(op):
     for valid, record in [(0, True), (20, False), (5, True)]:
         inputs["num_valid_tokens"] = torch.tensor(valid)
         inputs["record_enabled"] = torch.tensor(record)
-        handle = custom_ops.op_handles()[op]
+        handle = ops.op_handles()[op]
         result = torch.library.opcheck(handle, tuple(inputs[name] for name in ARGS[op]))
         assert set(result.values()) == {"SUCCESS"}, result
 
 
 def test_every_op_is_checked():
-    assert set(custom_ops.op_handles()) == set(ARGS)
+    assert set(ops.op_handles()) == set(ARGS)

@@ -3,7 +3,7 @@
 // Why native: the ATen reference composes about a dozen full passes (casts, where, remainder,
 // two gathers, scatter_add); on CPU each pass re-reads T*K elements and pays a dispatch. This
 // kernel makes one pass per (t, k): hash once per row, gather count and table entry, record.
-// Semantics are exactly those of custom_ops/reference.py, which stays the oracle.
+// Semantics are exactly those of eplb_graph/ops/reference.py, which stays the oracle.
 //
 // Speed notes (measured with tools/bench/bench_ops.py; see docs/benchmarks.md):
 // - Per call: the 0-d inputs are read straight from CPU memory (no item() dispatch) and the
@@ -15,8 +15,8 @@
 //   counts go to a private histogram folded into `load` once (no atomics per pair, also when
 //   threads split the rows). Top-k 8 rows are unrolled.
 //
-// The schemas are defined from Python (custom_ops/_library.py) so the ops exist even when no
-// compiler is present; this file only registers CPU implementations for them.
+// The schemas are defined from Python (eplb_graph/ops/registration.py) so the ops exist even
+// when no compiler is present; this file only registers CPU implementations for them.
 
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
@@ -66,7 +66,7 @@ void check_index_dtype(const at::Tensor& t, const char* what) {
 
 int64_t read_integer_scalar(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.dim() == 0, what, " should be a 0-d tensor, got ", t.dim(), "D");
-  // The same set as custom_ops/_checks.py, so eager CPU and compiled graphs accept alike.
+  // The same set as eplb_graph/ops/checks.py, so eager CPU and compiled graphs accept alike.
   // CPU memory: a plain load, without the dispatch of item().
   const auto type = t.scalar_type();
   switch (type) {

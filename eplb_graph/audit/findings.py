@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-import custom_ops
+import eplb_graph.ops
 
 #: Finding kinds, in the order the report lists their checks.
 KINDS = (
@@ -42,7 +42,7 @@ def library_dirs() -> tuple[str, ...]:
     """Directories whose frames are never "the user's line": torch, the op wrappers, the audit."""
     return (
         str(Path(torch.__file__).resolve().parent),
-        str(Path(custom_ops.__file__).resolve().parent),
+        str(Path(eplb_graph.ops.__file__).resolve().parent),
         _AUDIT_DIR,
     )
 

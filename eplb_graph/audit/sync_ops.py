@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from custom_ops.reference import map_and_record_ref, map_to_physical_ref, record_load_ref
+from eplb_graph.ops.reference import map_and_record_ref, map_to_physical_ref, record_load_ref
 
 aten = torch.ops.aten
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from custom_ops.ops import map_and_record
 from eplb_graph.movement.views import UnquantizedView, W8A8View
+from eplb_graph.ops import map_and_record
 from eplb_graph.state import EplbState
 
 FORMATS = ("unquantized", "w8a8")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from custom_ops.ops import map_and_record
+from eplb_graph.ops import map_and_record
 from eplb_graph.state import EplbState
 
 

@@ -14,7 +14,7 @@ other processes hits every variant alike:
 - ``composite``: the upstream-style composite, ``log2phy[ids, (t*K + j) % count[ids]]`` by
   advanced indexing plus ``load.scatter_add_``;
 - ``eager``: ``torch.ops.eplb_graph.map_and_record`` (the fused native CPU kernel);
-- ``reference``: ``custom_ops.reference.map_and_record_ref`` called directly (the ATen oracle);
+- ``reference``: ``eplb_graph.ops.map_and_record_ref`` called directly (the ATen oracle);
 - ``compiled``: ``torch.compile(..., backend="inductor", fullgraph=True, dynamic=False)`` of a
   function calling ``map_and_record`` (compiled and warmed up before timing);
 - ``dynamo`` (supplementary): the same function under ``torch.compile(backend="eager")``: only
@@ -51,10 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from timing import measure, run_benchmark, write_report
 
-import custom_ops
-import custom_ops.native
-import custom_ops.reference
-from eplb_graph import EplbState, Placement
+from eplb_graph import EplbState, Placement, ops
 
 TOP_K = 8
 NUM_LOGICAL = 256
@@ -132,7 +129,7 @@ def composite(ids, log2phy, count, load):
 
 
 def compiled_fn(ids, log2phy, count, offset, load, num_valid, record):
-    return custom_ops.map_and_record(ids, log2phy, count, offset, load, num_valid, record)
+    return ops.map_and_record(ids, log2phy, count, offset, load, num_valid, record)
 
 
 def fresh_code(fn):
@@ -169,7 +166,7 @@ class RoutedLayers(torch.nn.Module):
     def forward(self, ids):
         s = self.state
         return [
-            custom_ops.map_and_record(
+            ops.map_and_record(
                 ids,
                 s.log2phy[i],
                 s.replica_count[i],
@@ -218,7 +215,7 @@ def check_agreement(x, compiled) -> None:
     loads = [torch.zeros_like(x["load"]) for _ in range(3)]
     outs = [
         OP(*args, loads[0], x["num_valid"], x["record"]),
-        custom_ops.reference.map_and_record_ref(*args, loads[1], x["num_valid"], x["record"]),
+        ops.map_and_record_ref(*args, loads[1], x["num_valid"], x["record"]),
         compiled(*args, loads[2], x["num_valid"], x["record"]),
     ]
     for name, out, load in zip(("reference", "compiled"), outs[1:], loads[1:], strict=True):
@@ -233,7 +230,7 @@ def bench_one(
     offset, num_valid, record = x["offset"], x["num_valid"], x["record"]
     flat = ids.reshape(-1)
     table = x["floor_table"]
-    reference = custom_ops.reference.map_and_record_ref
+    reference = ops.map_and_record_ref
     fns: dict[str, Callable[[], object]] = {
         "floor": lambda: table.index_select(0, flat),
         "composite": lambda: composite(ids, log2phy, count, load),
@@ -368,10 +365,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     args = parser.parse_args(argv)
 
-    custom_ops.native.ensure_loaded()
-    status = custom_ops.native.status()
-    assert status is custom_ops.native.NativeStatus.LOADED, (
-        f"native CPU kernel not loaded ({status}): {custom_ops.native.failure_reason()}"
+    ops.native.ensure_loaded()
+    status = ops.native.status()
+    assert status is ops.native.NativeStatus.LOADED, (
+        f"native CPU kernel not loaded ({status}): {ops.native.failure_reason()}"
     )
     token_counts = QUICK_TOKENS if args.quick else FULL_TOKENS
     popularity = expert_popularity(torch.Generator().manual_seed(0))

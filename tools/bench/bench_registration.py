@@ -9,8 +9,8 @@ The same trivial bodies are registered twice, in private namespaces so nothing c
 
 - ``eplb_bench_co``: ``torch.library.custom_op`` (with ``register_fake``);
 - ``eplb_bench_ll``: the low-level ``torch.library.Library(ns, "DEF").define`` plus
-  ``.impl(..., "CompositeExplicitAutograd")`` (with ``register_fake``), as custom_ops/_library.py
-  does for ``torch.ops.eplb_graph``.
+  ``.impl(..., "CompositeExplicitAutograd")`` (with ``register_fake``), as
+  ``eplb_graph/ops/registration.py`` does for ``torch.ops.eplb_graph``.
 
 Bodies: ``clone4`` returns a clone of a 4-element tensor; ``touch4`` is declared as mutating
 its 4-element argument and does nothing. Each is timed called directly (the floor), through
@@ -37,9 +37,7 @@ from timing import measure, run_benchmark, write_report
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import custom_ops
-import custom_ops.native
-from eplb_graph import EplbState, Placement
+from eplb_graph import EplbState, Placement, ops
 
 CO = "eplb_bench_co"
 LL = "eplb_bench_ll"
@@ -129,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     args = parser.parse_args(argv)
 
-    custom_ops.native.ensure_loaded()
-    status = custom_ops.native.status()
+    ops.native.ensure_loaded()
+    status = ops.native.status()
     co_ops = register_custom_op()
     lib = register_low_level()
     fns = variants(co_ops)

@@ -1,4 +1,4 @@
-"""Build, cache and load the fused native CPU kernel (``csrc/eplb_graph_cpu.cpp``).
+"""Build, cache and load the fused native CPU kernel (``custom_ops/csrc/eplb_graph_cpu.cpp``).
 
 Lifecycle:
 - ``import eplb_graph`` calls :func:`install`. If a build for this exact source and torch version
@@ -12,6 +12,10 @@ Lifecycle:
 ``EPLB_GRAPH_NATIVE``: ``auto`` (default, as above), ``off`` (never build; reference kernel) or
 ``require`` (build at install time and raise if that fails, for CI and benchmarks).
 ``EPLB_GRAPH_CACHE``: cache directory (default ``~/.cache/eplb_graph``).
+
+The C++ source is found in one of two places: ``eplb_graph/ops/csrc/`` in an installed wheel
+(``setup.py`` copies ``custom_ops/csrc`` there at build time), or ``custom_ops/csrc/`` of the
+source tree beside the package (an editable install or a checkout on ``PYTHONPATH``).
 """
 
 from __future__ import annotations
@@ -26,12 +30,16 @@ from pathlib import Path
 
 import torch
 
-from custom_ops._library import NAMESPACE, op_handles
 from eplb_graph.errors import EplbError
+from eplb_graph.ops.registration import NAMESPACE, op_handles
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "eplb_graph_cpu.cpp"
+_SOURCE_NAME = "eplb_graph_cpu.cpp"
+_SOURCE_CANDIDATES = (
+    Path(__file__).with_name("csrc") / _SOURCE_NAME,  # wheel install
+    Path(__file__).resolve().parents[2] / "custom_ops" / "csrc" / _SOURCE_NAME,  # source tree
+)
 _EXTENSION_NAME = "eplb_graph_native_cpu"
 
 
@@ -64,6 +72,15 @@ def failure_reason() -> str | None:
     return _failure
 
 
+def source_file() -> Path:
+    """The C++ source of the kernel: the wheel's copy first, else the source tree's."""
+    for candidate in _SOURCE_CANDIDATES:
+        if candidate.is_file():
+            return candidate
+    searched = ", ".join(str(candidate) for candidate in _SOURCE_CANDIDATES)
+    raise FileNotFoundError(f"the native kernel source is missing (searched {searched})")
+
+
 def _mode() -> str:
     mode = os.environ.get("EPLB_GRAPH_NATIVE", "auto").strip().lower()
     if mode not in ("auto", "off", "require"):
@@ -75,7 +92,7 @@ def build_directory() -> Path:
     """Cache folder keyed by source hash, torch version and ABI, so stale builds never load."""
     root = Path(os.environ.get("EPLB_GRAPH_CACHE", Path.home() / ".cache" / "eplb_graph"))
     key = hashlib.sha256()
-    key.update(SOURCE.read_bytes())
+    key.update(source_file().read_bytes())
     key.update(torch.__version__.encode())
     key.update(str(torch._C._GLIBCXX_USE_CXX11_ABI).encode())
     return root / f"native-{key.hexdigest()[:16]}"
@@ -99,7 +116,7 @@ def _build() -> Path:
     logger.info("building the native eplb_graph CPU kernel in %s (first use only)", directory)
     cpp_extension.load(
         name=_EXTENSION_NAME,
-        sources=[str(SOURCE)],
+        sources=[str(source_file())],
         build_directory=str(directory),
         extra_cflags=["-O3"],
         is_python_module=False,

@@ -21,8 +21,8 @@ from types import ModuleType
 
 import torch
 
-from custom_ops._library import NAMESPACE
-from custom_ops.reference import map_and_record_ref, map_to_physical_ref, record_load_ref
+from eplb_graph.ops.reference import map_and_record_ref, map_to_physical_ref, record_load_ref
+from eplb_graph.ops.registration import NAMESPACE
 
 logger = logging.getLogger(__name__)
 

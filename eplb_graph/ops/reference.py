@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from custom_ops._checks import check_map_args, check_record_args
+from eplb_graph.ops.checks import check_map_args, check_record_args
 
 #: Knuth's multiplicative hash constant (floor(2**32 / golden ratio)); upstream vLLM's rule.
 GOLDEN_HASH = 2654435769

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from custom_ops._checks import check_map_args, check_record_args
-from custom_ops.reference import map_and_record_ref, map_to_physical_ref, record_load_ref
+from eplb_graph.ops.checks import check_map_args, check_record_args
+from eplb_graph.ops.reference import map_and_record_ref, map_to_physical_ref, record_load_ref
 
 NAMESPACE = "eplb_graph"
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from custom_ops import native
-from custom_ops.reference import map_and_record_ref, map_to_physical_ref, record_load_ref
+from eplb_graph.ops import native
+from eplb_graph.ops.reference import map_and_record_ref, map_to_physical_ref, record_load_ref
 
 _installed = False
 

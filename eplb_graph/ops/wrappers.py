@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-import custom_ops._library  # noqa: F401  (defines the schemas before the handles are looked up)
+import eplb_graph.ops.registration  # noqa: F401  (defines the schemas before any call)
 
 _OPS = torch.ops.eplb_graph
 

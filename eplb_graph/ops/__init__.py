@@ -1,0 +1,43 @@
+"""The routing ops ``torch.ops.eplb_graph.{map_to_physical, record_load, map_and_record}``.
+
+Importing this subpackage (``import eplb_graph`` does) defines the schemas, registers the fake
+kernels (for torch.compile and opcheck), the device-agnostic ATen reference kernels, the inductor
+lowering choice, the fused native CPU kernel (built on first use from ``custom_ops/csrc``) and,
+where torch_npu is importable, the NPU registrations.
+
+Modules: ``registration`` (schemas, fakes), ``checks`` (input checks shared by fakes and
+reference), ``reference`` (the oracle), ``native`` (CPU kernel loader), ``inductor``, ``npu``,
+``wrappers`` (the typed Python entry points re-exported here).
+"""
+
+from __future__ import annotations
+
+from eplb_graph.ops import inductor, native, npu
+from eplb_graph.ops.checks import INDEX_DTYPES
+from eplb_graph.ops.reference import (
+    GOLDEN_HASH,
+    map_and_record_ref,
+    map_to_physical_ref,
+    record_load_ref,
+    replica_hash,
+)
+from eplb_graph.ops.registration import op_handles
+from eplb_graph.ops.wrappers import map_and_record, map_to_physical, record_load
+
+native.install()
+inductor.install()
+npu.install()
+
+__all__ = [
+    "GOLDEN_HASH",
+    "INDEX_DTYPES",
+    "map_and_record",
+    "map_and_record_ref",
+    "map_to_physical",
+    "map_to_physical_ref",
+    "native",
+    "op_handles",
+    "record_load",
+    "record_load_ref",
+    "replica_hash",
+]
