@@ -15,10 +15,15 @@ Importing this package registers ``torch.ops.eplb_graph.*`` (see ``eplb_graph.op
 from __future__ import annotations
 
 from eplb_graph import ops as _ops  # noqa: F401  (registers torch.ops.eplb_graph)
-from eplb_graph.config import ConfigError, EplbConfig, LegacyEplbConfig, resolve_eplb_config
 from eplb_graph.control.settings import ControlSettings
 from eplb_graph.errors import EplbError
 from eplb_graph.expert_map import ExpertMapError
+from eplb_graph.integrations.settings import (
+    ConfigError,
+    EplbConfig,
+    LegacyEplbConfig,
+    resolve_eplb_config,
+)
 from eplb_graph.movement.settings import MovementSettings
 from eplb_graph.movement.transport import GroupRing
 from eplb_graph.movement.views import make_expert_view, supported_formats

@@ -7,7 +7,6 @@ import torch
 
 import eplb_graph
 from eplb_graph.control import (
-    CollectionPhase,
     ControlSettings,
     EplbController,
     LoadWindow,
@@ -206,14 +205,7 @@ def test_window_plan_reports_balancedness_of_the_executed_slot_load():
     assert plan.balancedness == pytest.approx(3 / 4)
 
 
-def test_settings_from_v2_config_cap_the_window_at_the_interval():
-    config = eplb_graph.EplbConfig(
-        window_size=500, step_interval=200, policy="default", load_collection_phase="decode"
-    )
-    settings = ControlSettings.from_config(config, num_groups=4, num_nodes=2)
-    assert settings.effective_window_size == 200
-    assert settings.load_collection_phase is CollectionPhase.DECODE
-    assert (settings.num_groups, settings.num_nodes) == (4, 2)
+def test_controller_window_is_capped_at_the_interval():
     controller = _controller(_state(), ControlSettings(window_size=50, step_interval=8))
     assert controller.window.window_size == 8
 
@@ -249,19 +241,3 @@ def test_window_close_reports_current_and_planned_hotness():
     }
     assert hotness["current_peak_to_mean_max"] >= 1.0
     assert hotness["updated_balancedness"] > 0.0
-
-
-def test_settings_from_a_legacy_config_follow_its_collection_cycle():
-    legacy = eplb_graph.LegacyEplbConfig(
-        dynamic_eplb=True,
-        expert_heat_collection_interval=400,
-        algorithm_execution_interval=50,
-        eplb_policy_type=1,
-        eplb_heat_collection_stage="decode",
-    )
-    settings = ControlSettings.from_legacy(legacy)
-    assert (settings.window_size, settings.step_interval) == (400, 450)
-    assert settings.policy == "default"
-    assert settings.load_collection_phase is CollectionPhase.DECODE
-    with pytest.raises(ValueError, match="only dynamic"):
-        ControlSettings.from_legacy(eplb_graph.LegacyEplbConfig())

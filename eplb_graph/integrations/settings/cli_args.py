@@ -1,0 +1,144 @@
+"""The EPLB options of a serve command line, parsed the way vLLM's parser spells them.
+
+For a launcher or a test that holds an argument list rather than vLLM's config objects:
+:func:`parse_cli_args` picks out ``--enable-eplb``, ``--eplb-config`` and ``--additional-config``,
+types their values, and leaves every other argument in :attr:`EplbCliArgs.rest`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from eplb_graph.integrations.settings.fields import ADDITIONAL, V2_PREFIX, ConfigError, coerce
+from eplb_graph.integrations.settings.resolve import ResolvedEplbConfig, resolve_eplb_config
+from eplb_graph.integrations.settings.v2 import EplbConfig
+
+
+@dataclass(frozen=True)
+class EplbCliArgs:
+    """The EPLB part of a command line, parsed and typed; ``rest`` holds every other argument."""
+
+    enable_eplb: bool = False
+    eplb_config: dict[str, Any] | None = None
+    additional_config: dict[str, Any] | None = None
+    rest: tuple[str, ...] = ()
+
+    def resolve(
+        self,
+        *,
+        num_experts: int,
+        ep_size: int,
+        policy_names: Sequence[str] | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> ResolvedEplbConfig:
+        """:func:`resolve_eplb_config` on these arguments."""
+        return resolve_eplb_config(
+            enable_eplb=self.enable_eplb,
+            eplb_config=self.eplb_config,
+            additional_config=self.additional_config,
+            num_experts=num_experts,
+            ep_size=ep_size,
+            policy_names=policy_names,
+            environ=environ,
+        )
+
+
+def _load_json_object(name: str, option: str, text: str, example: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ConfigError(
+            name,
+            f"{option} is not valid JSON (line {error.lineno}, column {error.colno}: "
+            f"{error.msg}); pass a JSON object such as {example}",
+        ) from None
+    if not isinstance(value, dict):
+        raise ConfigError(name, f"{option} must be a JSON object such as {example}, got {text!r}")
+    return value
+
+
+def parse_cli_args(argv: Sequence[str]) -> EplbCliArgs:
+    """Parse the EPLB options of a serve command line.
+
+    Understands ``--enable-eplb``, ``--eplb-config.<field> VALUE`` / ``--eplb-config.<field>=VALUE``
+    (text coerced by the field's type), ``--eplb-config '<json object>'`` and
+    ``--additional-config '<json object>'``. Option names may use ``_`` for ``-`` and field names
+    ``-`` for ``_`` (as vLLM's parser allows). A field given twice (in any spelling) is an error
+    rather than "last wins", because the two spellings usually come from different layers of a
+    launch script and silently dropping one is exactly what invariant 7 forbids.
+
+    Raises:
+        ConfigError: naming the field (``eplb_config.window_size``) on any bad value.
+    """
+    enable = False
+    v2: dict[str, Any] = {}
+    v2_source: dict[str, str] = {}
+    additional: dict[str, Any] | None = None
+    rest: list[str] = []
+    index = 0
+    while index < len(argv):
+        token = argv[index]
+        index += 1
+        if token == "--":
+            rest.extend(argv[index - 1 :])
+            break
+        if not token.startswith("--"):
+            rest.append(token)
+            continue
+        head, has_inline, inline = token[2:].partition("=")
+        option, dotted, key = head.partition(".")
+        option = option.replace("_", "-")
+        if option not in ("enable-eplb", "eplb-config", "additional-config"):
+            rest.append(token)
+            continue
+        if option == "enable-eplb":
+            if dotted:
+                raise ConfigError("enable_eplb", f"{token!r} takes no field; use --enable-eplb")
+            enable = coerce("enable_eplb", inline, bool, from_text=True) if has_inline else True
+            continue
+        if has_inline:
+            value = inline
+        elif index < len(argv) and not argv[index].startswith("--"):
+            value = argv[index]
+            index += 1
+        else:
+            field_name = f"{V2_PREFIX}.{key}" if dotted else option.replace("-", "_")
+            raise ConfigError(field_name, f"--{head} needs a value")
+        if option == "additional-config":
+            if dotted:
+                raise ConfigError(
+                    f"{ADDITIONAL}.{key}",
+                    "pass --additional-config as one JSON object, e.g. "
+                    '\'{"eplb_config": {"load_collection_phase": "prefill"}}\'',
+                )
+            if additional is not None:
+                raise ConfigError(ADDITIONAL, "--additional-config given twice; merge them")
+            additional = _load_json_object(
+                ADDITIONAL, "--additional-config", value, "'{\"eplb_config\": {...}}'"
+            )
+            continue
+        if dotted:
+            items = [(key.replace("-", "_"), value, f"--eplb-config.{key}", True)]
+        else:
+            parsed = _load_json_object(
+                V2_PREFIX, "--eplb-config", value, "'{\"window_size\": 100}'"
+            )
+            items = [(str(k), v, "--eplb-config JSON", False) for k, v in parsed.items()]
+        for field_key, raw, source, from_text in items:
+            EplbConfig.check_key(field_key)
+            if field_key in v2:
+                raise ConfigError(
+                    f"{V2_PREFIX}.{field_key}",
+                    f"given twice ({v2_source[field_key]} and {source}); give it once",
+                )
+            v2[field_key] = EplbConfig.coerce_field(field_key, raw, from_text=from_text)
+            v2_source[field_key] = source
+    return EplbCliArgs(
+        enable_eplb=enable,
+        eplb_config=v2 or None,
+        additional_config=additional,
+        rest=tuple(rest),
+    )

@@ -1,0 +1,180 @@
+"""From a resolved host configuration to the plain settings the core runtime takes.
+
+The core (``EplbRuntime``, ``EplbState``, ``ControlSettings``) knows nothing of vLLM's or
+vllm-ascend's option names; this module is the one place that maps them. Every validated field
+lands in :class:`RuntimeSettings`, so a setting a user gave is either acted on or rejected at
+initialization, never validated and then dropped.
+
+A runner (or the vLLM plugin) does, once per rank::
+
+    resolved = resolve_eplb_config(...)              # or parse_cli_args(argv).resolve(...)
+    if resolved.enabled:
+        settings = to_runtime_settings(resolved, num_layers=L)
+        state = EplbState(settings.initial_placement, rank=rank, device=device)
+        if settings.control is not None:             # None: legacy static map, no rebalancing
+            runtime = EplbRuntime(state, views, settings.control, groups, rank,
+                                  use_async=settings.use_async,
+                                  record_map_path=settings.record_map_path)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from eplb_graph.control.settings import ControlSettings
+from eplb_graph.integrations.settings.fields import ConfigError
+from eplb_graph.integrations.settings.legacy import LegacyEplbConfig
+from eplb_graph.integrations.settings.resolve import EplbPath, ResolvedEplbConfig
+from eplb_graph.integrations.settings.v2 import GLOO_COMMUNICATOR, EplbConfig
+from eplb_graph.placement import Placement
+
+
+@dataclass(frozen=True)
+class RuntimeSettings:
+    """Everything one rank's EPLB needs from the configuration, in the core's vocabulary.
+
+    Attributes:
+        control: the window, interval, phase filter, policy and balancedness log for
+            ``EplbRuntime``; ``None`` in legacy static mode, where the map is served as loaded
+            and no runtime is built.
+        use_async: ``EplbRuntime(use_async=...)``: plan and move on the worker thread.
+        record_map_path: ``EplbRuntime(record_map_path=...)``: legacy record mode writes every
+            agreed plan to this expert-map file and applies none; ``None`` otherwise.
+        initial_placement: the placement to build ``EplbState`` from: the legacy
+            ``expert_map_path`` map when one is given, else the default placement of
+            ``num_experts + num_redundant_experts`` slots over ``ep_size`` ranks.
+        communicator: the weight-transfer backend the runner's group provider must use;
+            ``"torch_gloo"``, the only one eplb-graph implements (V2's ``null`` picks it).
+    """
+
+    control: ControlSettings | None
+    use_async: bool
+    record_map_path: str | None
+    initial_placement: Placement
+    communicator: str = GLOO_COMMUNICATOR
+
+    @property
+    def rebalances(self) -> bool:
+        """Whether an ``EplbRuntime`` runs at all (false only for a legacy static map)."""
+        return self.control is not None
+
+
+def control_settings_from_v2(
+    config: EplbConfig, *, num_groups: int = 1, num_nodes: int = 1, **extra: Any
+) -> ControlSettings:
+    """Control settings from a validated V2 :class:`EplbConfig`.
+
+    The window is ``config.effective_window_size``: load older than the previous rearrangement
+    describes a placement that no longer exists. ``num_groups`` / ``num_nodes`` are the model's
+    expert groups and the cluster's nodes (for the hierarchical ``default`` policy); ``extra``
+    takes ``policy_options=`` and ``time_samples=``.
+    """
+    return ControlSettings(
+        window_size=config.effective_window_size,
+        step_interval=config.step_interval,
+        load_collection_phase=config.load_collection_phase,
+        policy=config.policy,
+        num_groups=num_groups,
+        num_nodes=num_nodes,
+        log_balancedness=config.log_balancedness,
+        log_balancedness_interval=config.log_balancedness_interval,
+        **extra,
+    )
+
+
+def control_settings_from_legacy(
+    config: LegacyEplbConfig, *, num_groups: int = 1, num_nodes: int = 1, **extra: Any
+) -> ControlSettings:
+    """Control settings from a validated :class:`LegacyEplbConfig` (vllm-ascend V1 keys).
+
+    vllm-ascend's cycle collects heat for ``expert_heat_collection_interval`` steps, then gives
+    the policy ``algorithm_execution_interval`` steps; here that is a window of the collection
+    length closing every collection + algorithm steps, with the same policy
+    (``eplb_policy_type``) and phase filter (``eplb_heat_collection_stage``). The layer-by-layer
+    swap phase is the movement worker's (``MovementSettings.layers_per_step``).
+
+    Raises:
+        ValueError: the config does not rebalance (static map or off).
+    """
+    if not config.dynamic_eplb:
+        raise ValueError(
+            f"legacy EPLB mode is {config.mode!r}: only dynamic (or record) mode rebalances; "
+            "a static expert map is loaded with Placement.load_expert_map"
+        )
+    collect = config.expert_heat_collection_interval
+    return ControlSettings(
+        window_size=collect,
+        step_interval=collect + config.algorithm_execution_interval,
+        load_collection_phase=config.eplb_heat_collection_stage,
+        policy=config.policy,
+        num_groups=num_groups,
+        num_nodes=num_nodes,
+        **extra,
+    )
+
+
+def to_runtime_settings(
+    resolved: ResolvedEplbConfig,
+    *,
+    num_layers: int,
+    num_groups: int = 1,
+    num_nodes: int = 1,
+    **extra: Any,
+) -> RuntimeSettings:
+    """Convert an enabled :class:`ResolvedEplbConfig` into :class:`RuntimeSettings`.
+
+    Args:
+        resolved: the outcome of ``resolve_eplb_config`` on the V2 or legacy path.
+        num_layers: the model's MoE layers (the default placement's rows; a legacy map must
+            have exactly as many).
+        num_groups, num_nodes, extra: passed to the control settings (see
+            :func:`control_settings_from_v2`).
+
+    Raises:
+        ValueError: ``resolved`` is the disabled path (build no EPLB state at all then).
+        ConfigError: a legacy ``expert_map_path`` map has a different number of layers.
+    """
+    if resolved.path is EplbPath.V2:
+        config = resolved.v2
+        assert config is not None
+        return RuntimeSettings(
+            control=control_settings_from_v2(
+                config, num_groups=num_groups, num_nodes=num_nodes, **extra
+            ),
+            use_async=config.use_async,
+            record_map_path=None,
+            initial_placement=_initial_placement(resolved, num_layers),
+            communicator=config.communicator or GLOO_COMMUNICATOR,
+        )
+    if resolved.path is EplbPath.LEGACY:
+        legacy = resolved.legacy
+        assert legacy is not None
+        control = None
+        if legacy.dynamic_eplb:
+            control = control_settings_from_legacy(
+                legacy, num_groups=num_groups, num_nodes=num_nodes, **extra
+            )
+        # vllm-ascend runs its cycle off the serving thread, and record mode needs the worker.
+        return RuntimeSettings(
+            control=control,
+            use_async=True,
+            record_map_path=legacy.expert_map_record_path,
+            initial_placement=_initial_placement(resolved, num_layers),
+        )
+    raise ValueError("EPLB is disabled: build no EPLB state or runtime for this run")
+
+
+def _initial_placement(resolved: ResolvedEplbConfig, num_layers: int) -> Placement:
+    expert_map = resolved.expert_map
+    if expert_map is None:
+        return Placement.default(
+            num_layers, resolved.num_experts, resolved.num_redundant_experts, resolved.ep_size
+        )
+    if expert_map.num_layers != num_layers:
+        raise ConfigError(
+            "expert_map_path",
+            f"the map has {expert_map.num_layers} MoE layers but the model has {num_layers}; "
+            "use a map recorded for this model",
+        )
+    return expert_map

@@ -1,0 +1,148 @@
+"""Command-line spellings of the EPLB options: parsing, typing and duplicates."""
+
+from __future__ import annotations
+
+import json
+
+from eplb_graph.integrations.settings import EplbConfig, EplbPath, parse_cli_args
+from tests.config_helpers import NAMES, legacy, raises
+
+
+def test_parse_dotted_keys_with_space_and_equals():
+    args = parse_cli_args(
+        [
+            "serve",
+            "model",
+            "--enable-eplb",
+            "--eplb-config.window_size",
+            "50",
+            "--eplb-config.step_interval=60",
+            "--eplb-config.use_async",
+            "false",
+            "--eplb-config.log-balancedness=TRUE",
+            "--tensor-parallel-size",
+            "16",
+        ]
+    )
+    assert args.enable_eplb
+    assert args.eplb_config == {
+        "window_size": 50,
+        "step_interval": 60,
+        "use_async": False,
+        "log_balancedness": True,
+    }
+    assert args.rest == ("serve", "model", "--tensor-parallel-size", "16")
+
+
+def test_parse_json_eplb_config_and_additional_config():
+    args = parse_cli_args(
+        [
+            "--enable_eplb",
+            "--eplb-config",
+            '{"window_size": 100, "policy": "default"}',
+            "--additional-config",
+            '{"eplb_config": {"load_collection_phase": "prefill"}, "other": true}',
+        ]
+    )
+    assert args.eplb_config == {"window_size": 100, "policy": "default"}
+    assert args.additional_config["eplb_config"] == {"load_collection_phase": "prefill"}
+    resolved = args.resolve(num_experts=128, ep_size=16, policy_names=NAMES, environ={})
+    assert resolved.v2.window_size == 100 and resolved.v2.load_collection_phase == "prefill"
+
+
+def test_parse_user_guide_command_line_resolves():
+    command = (
+        "--tensor-parallel-size 16 --enable-expert-parallel --enable-eplb "
+        "--eplb-config.window_size 50 --eplb-config.step_interval 50 "
+        "--eplb-config.num_redundant_experts 16 --eplb-config.use_async true "
+        "--eplb-config.log_balancedness true --eplb-config.log_balancedness_interval 1"
+    )
+    argv = [
+        *command.split(" "),
+        "--additional-config",
+        '{"eplb_config":{"load_collection_phase":"all"}}',
+    ]
+    resolved = parse_cli_args(argv).resolve(
+        num_experts=128, ep_size=16, policy_names=NAMES, environ={}
+    )
+    assert resolved.v2 == EplbConfig(
+        window_size=50,
+        step_interval=50,
+        num_redundant_experts=16,
+        use_async=True,
+        log_balancedness=True,
+    )
+
+
+def test_parse_legacy_additional_config_resolves_to_legacy():
+    args = parse_cli_args(
+        ["--additional-config", json.dumps(legacy(dynamic_eplb=True, eplb_policy_type=3))]
+    )
+    assert not args.enable_eplb and args.eplb_config is None
+    resolved = args.resolve(num_experts=64, ep_size=4, policy_names=NAMES, environ={})
+    assert resolved.path is EplbPath.LEGACY and resolved.policy == "flash_lb"
+
+
+def test_parse_coercion_errors_name_the_field():
+    with raises("eplb_config.window_size", "expected an integer, got 'abc'"):
+        parse_cli_args(["--eplb-config.window_size", "abc"])
+    with raises("eplb_config.use_async", "expected true or false, got 'maybe'"):
+        parse_cli_args(["--eplb-config.use_async=maybe"])
+    with raises("eplb_config.window_size", "must be >= 1, got -5"):
+        parse_cli_args(["--eplb-config.window_size", "-5"])
+    with raises("enable_eplb", "expected true or false, got 'sure'"):
+        parse_cli_args(["--enable-eplb=sure"])
+
+
+def test_parse_text_none_clears_optional_field_and_enable_eplb_false():
+    args = parse_cli_args(["--enable-eplb=false", "--eplb-config.communicator", "none"])
+    assert not args.enable_eplb and args.eplb_config == {"communicator": None}
+
+
+def test_parse_unknown_or_misplaced_dotted_key():
+    with raises("eplb_config.windowsize", r"did you mean 'window_size'"):
+        parse_cli_args(["--eplb-config.windowsize", "5"])
+    with raises("eplb_config.load_collection_phase", "--additional-config"):
+        parse_cli_args(["--eplb-config.load_collection_phase", "prefill"])
+    with raises("eplb_config.dynamic_eplb", "legacy additional_config key"):
+        parse_cli_args(["--eplb-config", '{"dynamic_eplb": true}'])
+
+
+def test_parse_json_values_are_typed_strictly():
+    with raises("eplb_config.window_size", "expected an integer, got '100'"):
+        parse_cli_args(["--eplb-config", '{"window_size": "100"}'])
+
+
+def test_parse_same_field_twice_is_rejected():
+    with raises("eplb_config.window_size", r"given twice \(--eplb-config JSON and --eplb-config"):
+        parse_cli_args(["--eplb-config", '{"window_size": 5}', "--eplb-config.window_size", "6"])
+    with raises("additional_config", "given twice"):
+        parse_cli_args(["--additional-config", "{}", "--additional-config", "{}"])
+
+
+def test_parse_malformed_json_reports_line_and_column():
+    with raises("eplb_config", r"not valid JSON \(line 1, column 16: Expecting value\)"):
+        parse_cli_args(["--eplb-config", '{"window_size":}'])
+    with raises("eplb_config", "must be a JSON object"):
+        parse_cli_args(["--eplb-config", "[1]"])
+    with raises("additional_config", "not valid JSON"):
+        parse_cli_args(["--additional-config={eplb_config: 1}"])
+
+
+def test_parse_missing_values_and_dotted_additional_config():
+    with raises("eplb_config.window_size", "needs a value"):
+        parse_cli_args(["--eplb-config.window_size"])
+    with raises("eplb_config.use_async", "needs a value"):
+        parse_cli_args(["--eplb-config.use_async", "--enable-eplb"])
+    with raises("additional_config", "needs a value"):
+        parse_cli_args(["--additional-config"])
+    with raises("additional_config.eplb_config", "one JSON object"):
+        parse_cli_args(["--additional-config.eplb_config", "{}"])
+    with raises("enable_eplb", "takes no field"):
+        parse_cli_args(["--enable-eplb.window_size", "5"])
+
+
+def test_parse_stops_at_double_dash():
+    args = parse_cli_args(["--enable-eplb", "--", "--eplb-config.window_size", "x"])
+    assert args.enable_eplb and args.eplb_config is None
+    assert args.rest == ("--", "--eplb-config.window_size", "x")

@@ -1,0 +1,113 @@
+"""Legacy settings (vllm-ascend Model Runner V1 keys): every key's type, range and file rules."""
+
+from __future__ import annotations
+
+import pytest
+
+from eplb_graph import Placement
+from eplb_graph.integrations.settings import LEGACY_POLICY_TYPES, LegacyEplbConfig
+from tests.config_helpers import legacy, raises, resolve, write_map
+
+
+def test_legacy_defaults_match_vllm_ascend():
+    config = LegacyEplbConfig()
+    assert (config.dynamic_eplb, config.expert_heat_collection_interval) == (False, 600)
+    assert (config.algorithm_execution_interval, config.eplb_policy_type) == (50, 2)
+    assert (config.num_redundant_experts, config.eplb_heat_collection_stage) == (0, "all")
+    assert (config.expert_map_path, config.expert_map_record_path) == (None, None)
+    assert (config.mode, config.enabled) == ("off", False)
+
+
+@pytest.mark.parametrize(("policy_type", "name"), sorted(LEGACY_POLICY_TYPES.items()))
+def test_legacy_policy_type_maps_to_registered_names(policy_type, name):
+    config = resolve(additional_config=legacy(dynamic_eplb=True, eplb_policy_type=policy_type))
+    assert config.policy == name
+
+
+def test_legacy_policy_type_mapping_is_vllm_ascends():
+    assert LEGACY_POLICY_TYPES == {1: "default", 2: "swift_balance", 3: "flash_lb"}
+
+
+def test_legacy_policy_type_0_random_placement_is_not_offered_for_serving():
+    """vllm-ascend's type 0 is random placement: a test policy a serving setting must not reach."""
+    message = (
+        r"type 0 selects random placement, a test policy not offered for serving; "
+        r"accepted types: 1 \(default\), 2 \(swift_balance\), 3 \(flash_lb\)$"
+    )
+    with raises("additional_config.eplb_config.eplb_policy_type", message):
+        resolve(additional_config=legacy(dynamic_eplb=True, eplb_policy_type=0))
+    with raises("additional_config.eplb_policy_type", "a test policy not offered for serving"):
+        resolve(additional_config={"dynamic_eplb": True, "eplb_policy_type": 0})
+    with raises("additional_config.eplb_config.eplb_policy_type", "not offered for serving"):
+        LegacyEplbConfig(eplb_policy_type=0)
+
+
+def test_legacy_policy_type_range_and_type():
+    with raises(
+        "additional_config.eplb_config.eplb_policy_type",
+        r"must be one of 1 \(default\), 2 \(swift_balance\), 3 \(flash_lb\), got 4",
+    ):
+        resolve(additional_config=legacy(dynamic_eplb=True, eplb_policy_type=4))
+    with raises("additional_config.eplb_config.eplb_policy_type", "expected an integer, got true"):
+        resolve(additional_config=legacy(dynamic_eplb=True, eplb_policy_type=True))
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "minimum"),
+    [
+        ("expert_heat_collection_interval", 0, 1),
+        ("algorithm_execution_interval", 0, 1),
+        ("num_redundant_experts", -2, 0),
+    ],
+)
+def test_legacy_numeric_ranges(key, value, minimum):
+    with raises(f"additional_config.eplb_config.{key}", f"must be >= {minimum}, got {value}"):
+        resolve(additional_config=legacy(dynamic_eplb=True, **{key: value}))
+
+
+def test_legacy_types_are_checked():
+    with raises("additional_config.eplb_config.dynamic_eplb", "expected true or false, got 'true'"):
+        resolve(additional_config=legacy(dynamic_eplb="true"))
+    with raises(
+        "additional_config.eplb_config.expert_heat_collection_interval", "expected an integer"
+    ):
+        resolve(additional_config=legacy(dynamic_eplb=True, expert_heat_collection_interval="600"))
+
+
+def test_legacy_heat_collection_stage_choices():
+    with raises("additional_config.eplb_config.eplb_heat_collection_stage", "must be one of 'all'"):
+        resolve(additional_config=legacy(dynamic_eplb=True, eplb_heat_collection_stage="both"))
+
+
+def test_legacy_record_path_rules(tmp_path):
+    field = "additional_config.eplb_config.expert_map_record_path"
+    with raises(field, r"must end in \.json"):
+        resolve(additional_config=legacy(expert_map_record_path=str(tmp_path / "map.txt")))
+    with raises(field, "must be a non-empty path"):
+        resolve(additional_config=legacy(expert_map_record_path=" "))
+    with raises(field, "does not exist; create it first"):
+        resolve(additional_config=legacy(expert_map_record_path=str(tmp_path / "no/map.json")))
+    (tmp_path / "dir.json").mkdir()
+    with raises(field, "is a directory"):
+        resolve(additional_config=legacy(expert_map_record_path=str(tmp_path / "dir.json")))
+
+
+def test_legacy_record_directory_must_be_writable(tmp_path, monkeypatch):
+    monkeypatch.setattr("eplb_graph.integrations.settings.legacy.os.access", lambda *_args: False)
+    with raises("additional_config.eplb_config.expert_map_record_path", "is not writable"):
+        resolve(additional_config=legacy(expert_map_record_path=str(tmp_path / "m.json")))
+
+
+def test_legacy_static_map_path_rules(tmp_path, monkeypatch):
+    field = "additional_config.eplb_config.expert_map_path"
+    with raises(field, r"must end in \.json .*got 'map\.yaml'"):
+        resolve(additional_config=legacy(expert_map_path="map.yaml"))
+    with raises(field, "does not exist; record a map first or fix the path"):
+        resolve(additional_config=legacy(expert_map_path=str(tmp_path / "missing.json")))
+    (tmp_path / "dir.json").mkdir()
+    with raises(field, "is not a regular file"):
+        resolve(additional_config=legacy(expert_map_path=str(tmp_path / "dir.json")))
+    path = write_map(tmp_path / "map.json", Placement.default(1, 64, 0, 4))
+    monkeypatch.setattr("eplb_graph.integrations.settings.legacy.os.access", lambda *_args: False)
+    with raises(field, "is not readable"):
+        resolve(additional_config=legacy(expert_map_path=path))
