@@ -1,6 +1,6 @@
 """DeepSeek's hierarchical / global expert rebalancing, vectorized across layers.
 
-The algorithm (upstream DeepSeek EPLB semantics, re-derived from its description):
+The algorithm (upstream DeepSeek EPLB semantics, which deployments and published vectors expect):
 
 1. Pack the ``G`` expert groups onto ``num_nodes`` nodes (:func:`balanced_packing` of the group
    loads), so that every node holds ``G / num_nodes`` whole groups.

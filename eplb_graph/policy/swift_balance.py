@@ -4,7 +4,7 @@ Why: on links too slow to reshuffle a model (vllm-ascend built SwiftBalance for 
 rebalancing must be a handful of targeted moves. Experts with a single copy stay where they are;
 only copies of replicated experts move, each move must lower the hottest rank, and both the
 number of moves per layer and the number of transfers between any two ranks are capped.
-Semantics after vllm-ascend's ``eplb_policy_type`` 2, written from its description.
+It follows vllm-ascend's ``eplb_policy_type`` 2, so that legacy setting keeps its meaning.
 
 Definitions (per layer):
 
