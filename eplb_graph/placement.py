@@ -224,6 +224,35 @@ class Placement:
         save_expert_map(self, path)
 
 
+def check_slots_per_rank(
+    num_slots: int,
+    num_ranks: int,
+    *,
+    name: str = "num_slots",
+    error: type[Exception] = PlacementError,
+) -> int:
+    """``P / num_ranks``, after checking that every EP rank can hold the same number of slots.
+
+    Args:
+        num_slots: ``P``, the physical slots of a layer.
+        num_ranks: EP ranks.
+        name: what the caller calls ``P`` (named in the message).
+        error: the exception type to raise; a module with its own input-error type passes it.
+
+    Raises:
+        PlacementError (or ``error``): ``num_ranks < 1`` or ``P % num_ranks != 0``.
+    """
+    if num_ranks < 1:
+        raise error(f"num_ranks must be >= 1, got {num_ranks}")
+    if num_slots % num_ranks != 0:
+        raise error(
+            f"{name} P={num_slots} is not divisible by num_ranks={num_ranks}: the slots cannot "
+            "be split evenly over the ranks (P = num_logical + num_redundant_experts must be a "
+            "multiple of the EP size)"
+        )
+    return num_slots // num_ranks
+
+
 def validate_phy2log(
     phy2log: torch.Tensor, num_logical: int, num_ranks: int, *, first_layer: int = 0
 ) -> None:
@@ -240,11 +269,7 @@ def validate_phy2log(
         raise PlacementError(
             f"phy2log must have at least one layer and one slot, got {(num_layers, num_slots)}"
         )
-    if num_slots % num_ranks != 0:
-        raise PlacementError(
-            f"num_slots P={num_slots} is not divisible by num_ranks={num_ranks}; "
-            f"P = num_logical + num_redundant_experts must be a multiple of the EP size"
-        )
+    check_slots_per_rank(num_slots, num_ranks)
     if num_slots < num_logical:
         raise PlacementError(
             f"num_slots P={num_slots} is smaller than num_logical N={num_logical}: "

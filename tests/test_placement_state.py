@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eplb_graph import EplbState, Placement, PlacementError
+from eplb_graph.placement import check_slots_per_rank
 
 OPS = torch.ops.eplb_graph
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -210,6 +211,20 @@ PLACEMENT_ERRORS = [
 def test_placement_validation_errors(phy2log, num_logical, num_ranks, message):
     with pytest.raises(PlacementError, match=message):
         Placement(phy2log, num_logical, num_ranks)
+
+
+def test_check_slots_per_rank_is_the_one_divisibility_check():
+    assert check_slots_per_rank(12, 4) == 3
+    with pytest.raises(PlacementError, match="num_replicas P=10 is not divisible by num_ranks=4"):
+        check_slots_per_rank(10, 4, name="num_replicas")
+    with pytest.raises(PlacementError, match="num_ranks must be >= 1, got 0"):
+        check_slots_per_rank(10, 0)
+
+    class OwnError(ValueError):
+        pass
+
+    with pytest.raises(OwnError, match="cannot be split evenly"):
+        check_slots_per_rank(10, 3, error=OwnError)
 
 
 def test_placement_error_is_a_value_error():

@@ -18,7 +18,8 @@ from eplb_graph.policy import (
     rebalance_experts,
     transfers_needed,
 )
-from eplb_graph.policy.churn_aware import local_search, predict_load, transfer_budget
+from eplb_graph.policy.churn_aware import predict_load, transfer_budget
+from eplb_graph.policy.churn_aware.search import local_search
 from eplb_graph.policy.drift import estimate_drift, hedge_load, shrinkage
 
 

@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
+from eplb_graph.placement import PlacementError
 from eplb_graph.policy import balancedness, expert_hotness, rank_load, rebalance_experts
-from eplb_graph.policy.metrics import HotnessReport, peak_to_mean
+from eplb_graph.policy.metrics import (
+    HotnessReport,
+    balancedness_of_slots,
+    fold_to_ranks,
+    peak_to_mean,
+    rank_load_numpy,
+    replica_counts_numpy,
+)
 
 
 def test_balancedness_by_hand():
@@ -46,6 +55,48 @@ def test_rank_load_validates_shapes():
         rank_load(torch.tensor([[0, 1, 2]]), torch.ones(1, 3), 2)
     with pytest.raises(ValueError, match="same L"):
         rank_load(torch.tensor([[0, 1]]), torch.ones(2, 2), 1)
+
+
+def _slot_balancedness_as_first_written(physical: torch.Tensor, num_ranks: int) -> float:
+    """The executed-load formula as the controller, simulator and demo each wrote it."""
+    per_rank = physical.to(torch.float64).reshape(physical.shape[0], num_ranks, -1).sum(dim=2)
+    peak = float(per_rank.max(dim=1).values.sum())
+    return 0.0 if peak == 0.0 else float(per_rank.mean(dim=1).sum()) / peak
+
+
+@pytest.mark.parametrize(("layers", "slots", "ranks"), [(1, 4, 2), (3, 20, 4), (58, 320, 64)])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float64])
+def test_balancedness_of_slots_is_bit_identical_to_the_formula(layers, slots, ranks, dtype):
+    generator = torch.Generator().manual_seed(layers * 1000 + slots)
+    for _ in range(20):
+        physical = torch.randint(0, 50_000, (layers, slots), generator=generator).to(dtype)
+        if dtype == torch.float64:
+            physical = physical / 7.0
+        expected = _slot_balancedness_as_first_written(physical, ranks)
+        assert balancedness_of_slots(physical, ranks) == expected  # bit for bit
+    assert balancedness_of_slots(torch.zeros(layers, slots, dtype=dtype), ranks) == 0.0
+
+
+def test_fold_to_ranks_sums_each_rank_block():
+    physical = torch.tensor([[1, 2, 3, 4, 5, 6], [0, 0, 0, 0, 7, 1]])
+    assert fold_to_ranks(physical, 3).tolist() == [[3.0, 7.0, 11.0], [0.0, 0.0, 8.0]]
+    assert fold_to_ranks(physical, 3).dtype == torch.float64
+    assert balancedness_of_slots(physical, 1) == 1.0
+    with pytest.raises(PlacementError, match="cannot be split"):
+        fold_to_ranks(physical, 4)
+    with pytest.raises(ValueError, match=r"\[L, P\]"):
+        fold_to_ranks(torch.ones(6), 3)
+
+
+def test_numpy_rank_load_matches_torch():
+    rng = np.random.default_rng(3)
+    phy2log = np.stack([rng.permutation(np.arange(12) % 9) for _ in range(5)])
+    load = rng.integers(0, 1000, size=(5, 9)).astype(np.float64)
+    expected = rank_load(torch.from_numpy(phy2log), torch.from_numpy(load), 4).numpy()
+    np.testing.assert_allclose(rank_load_numpy(phy2log, load, 4), expected, rtol=1e-15)
+    counts = replica_counts_numpy(phy2log, 10)
+    assert counts.dtype == np.int64 and counts.shape == (5, 10)
+    assert (counts.sum(axis=1) == 12).all() and (counts[:, 9] == 0).all()
 
 
 def test_peak_to_mean_idle_layer_is_one():

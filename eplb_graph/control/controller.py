@@ -31,7 +31,7 @@ from eplb_graph.control.window import (
     WindowSnapshot,
     local_reducer,
 )
-from eplb_graph.policy.metrics import balancedness_of_slot_load
+from eplb_graph.policy.metrics import balancedness_of_slots
 from eplb_graph.state import EplbState
 
 logger = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ class EplbController:
         index = torch.tensor(rows, device=self.window.rows.device)
         physical = self.window.rows.index_select(0, index).sum(dim=0).to("cpu", torch.int64)
         physical = self.reduce(physical)
-        value = balancedness_of_slot_load(physical, self.state.num_ranks)
+        value = balancedness_of_slots(physical, self.state.num_ranks)
         self.last_logged_balancedness = value
         if self.state.rank == 0:
             logger.info(

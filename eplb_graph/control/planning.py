@@ -14,7 +14,7 @@ import torch
 
 from eplb_graph.control.window import WindowLoad
 from eplb_graph.policy import expert_hotness, get_policy, rebalance
-from eplb_graph.policy.metrics import balancedness_of_slot_load
+from eplb_graph.policy.metrics import balancedness_of_slots
 
 HISTORY_OPTION = "previous_weight"
 
@@ -121,7 +121,7 @@ class WindowPlan:
 
 def window_balancedness(load: WindowLoad, num_ranks: int) -> float:
     """Balancedness of the executed slot load of a reduced window."""
-    return balancedness_of_slot_load(load.physical, num_ranks)
+    return balancedness_of_slots(load.physical, num_ranks)
 
 
 def plan_window(load: WindowLoad, planner, num_ranks: int) -> WindowPlan:

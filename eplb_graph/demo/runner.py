@@ -22,6 +22,7 @@ from eplb_graph.models.ep_moe import CompiledRegions, EpMoEConfig, EpMoERank, Ex
 from eplb_graph.movement.settings import MovementSettings
 from eplb_graph.movement.transport import GroupRing
 from eplb_graph.placement import Placement
+from eplb_graph.policy.metrics import balancedness
 from eplb_graph.progress import ProgressBar
 from eplb_graph.runtime import EplbRuntime
 from eplb_graph.state import EplbState
@@ -95,12 +96,6 @@ def rank_loads(executed: list[torch.Tensor], counts: list[int], per_rank: int, w
         chosen = slots[valid].reshape(-1) // per_rank
         loads.append(torch.bincount(chosen, minlength=world).to(torch.float64))
     return torch.stack(loads)
-
-
-def balancedness(loads: torch.Tensor) -> float:
-    """Upstream formula: sum over layers of mean rank load / sum over layers of max."""
-    peak = float(loads.max(dim=1).values.sum())
-    return 0.0 if peak == 0 else float(loads.mean(dim=1).sum()) / peak
 
 
 def weight_mismatches(model: EpMoERank, checkpoint: ExpertCheckpoint, state: EplbState) -> int:

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from eplb_graph.errors import EplbError
+from eplb_graph.placement import check_slots_per_rank
 
 logger = logging.getLogger(__name__)
 
@@ -316,9 +317,7 @@ def plan_transfer(
         raise TransferPlanError(
             f"old row has {len(old)} slots but new row has {len(new)}; the slot count is fixed"
         )
-    if len(old) % num_ranks:
-        raise TransferPlanError(f"P={len(old)} slots are not divisible by num_ranks={num_ranks}")
-    slots_per_rank = len(old) // num_ranks
+    slots_per_rank = check_slots_per_rank(len(old), num_ranks, error=TransferPlanError)
 
     first_old_slot: dict[tuple[int, int], int] = {}  # (rank, expert) -> first local slot
     for slot, expert in enumerate(old):

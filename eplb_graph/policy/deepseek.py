@@ -1,6 +1,6 @@
 """DeepSeek's hierarchical / global expert rebalancing, vectorized across layers.
 
-The algorithm (upstream DeepSeek EPLB semantics, re-derived from its description):
+The algorithm (upstream DeepSeek EPLB semantics, which deployments and published vectors expect):
 
 1. Pack the ``G`` expert groups onto ``num_nodes`` nodes (:func:`balanced_packing` of the group
    loads), so that every node holds ``G / num_nodes`` whole groups.
@@ -36,6 +36,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from eplb_graph.placement import check_slots_per_rank
 from eplb_graph.policy import preserve
 from eplb_graph.policy.registry import register_policy
 
@@ -262,11 +263,7 @@ def check_arguments(
     ):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    if num_replicas % num_ranks != 0:
-        raise ValueError(
-            f"num_replicas P={num_replicas} is not divisible by num_ranks={num_ranks}: "
-            "every rank must hold the same number of slots"
-        )
+    check_slots_per_rank(num_replicas, num_ranks, name="num_replicas")
     if num_replicas < num_logical:
         raise ValueError(
             f"num_replicas P={num_replicas} is smaller than the number of experts N={num_logical}"

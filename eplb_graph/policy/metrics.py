@@ -1,25 +1,34 @@
-"""Balance metrics for placements: balancedness, per-rank load, and a hotness report.
+"""Balance metrics: the one home of the balancedness and per-rank load formulas.
 
-All functions are pure and vectorized over layers. Rank loads are *estimates* under the
-assumption the DeepSeek algorithm optimizes for: an expert's tokens split evenly over its
-replicas (the routing op's hash spreads rows uniformly over replicas).
+All functions are pure and vectorized over layers. Two kinds of load reach them:
+
+- *executed* slot load ``[L, P]`` (what the routing op counted), folded to ranks by
+  :func:`fold_to_ranks`; :func:`balancedness_of_slots` is its balancedness;
+- *estimated* rank load from a logical load ``[L, N]`` (:func:`rank_load`, and
+  :func:`rank_load_numpy` for the policies, which compute in numpy), under the assumption the
+  DeepSeek algorithm optimizes for: an expert's tokens split evenly over its replicas (the
+  routing op's hash spreads rows uniformly over replicas).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 
-from eplb_graph.placement import replica_counts
+from eplb_graph.placement import check_slots_per_rank, replica_counts
 
 __all__ = [
     "HotnessReport",
     "balancedness",
-    "balancedness_of_slot_load",
+    "balancedness_of_slots",
     "expert_hotness",
+    "fold_to_ranks",
     "peak_to_mean",
     "rank_load",
+    "rank_load_numpy",
+    "replica_counts_numpy",
 ]
 
 
@@ -46,12 +55,22 @@ def balancedness(tokens_per_rank: torch.Tensor) -> float:
     return float(load.mean(dim=1).sum()) / peak
 
 
-def balancedness_of_slot_load(slot_load: torch.Tensor, num_ranks: int) -> float:
-    """:func:`balancedness` of executed slot load ``[L, P]`` folded to ranks (slot ``p`` lives
-    on rank ``p // (P / num_ranks)``); 0 when nothing ran."""
-    per_rank = slot_load.to(torch.float64).reshape(slot_load.shape[0], num_ranks, -1).sum(dim=2)
-    peak = float(per_rank.max(dim=1).values.sum())
-    return 0.0 if peak == 0.0 else float(per_rank.mean(dim=1).sum()) / peak
+def fold_to_ranks(slot_load: torch.Tensor, num_ranks: int) -> torch.Tensor:
+    """Executed slot load ``[L, P]`` -> ``[L, num_ranks]`` float64 load per rank.
+
+    Rank ``r`` holds slots ``[r P / ranks, (r + 1) P / ranks)``.
+    """
+    load = torch.as_tensor(slot_load).detach().cpu().to(torch.float64)
+    if load.dim() != 2:
+        raise ValueError(f"slot_load must be [L, P], got shape {tuple(load.shape)}")
+    check_slots_per_rank(load.shape[1], num_ranks)
+    return load.reshape(load.shape[0], num_ranks, -1).sum(dim=2)
+
+
+def balancedness_of_slots(slot_load: torch.Tensor, num_ranks: int) -> float:
+    """:func:`balancedness` of executed slot load ``[L, P]`` folded to ranks (0 when nothing
+    ran)."""
+    return balancedness(fold_to_ranks(slot_load, num_ranks))
 
 
 def rank_load(phy2log: torch.Tensor, logical_load: torch.Tensor, num_ranks: int) -> torch.Tensor:
@@ -73,11 +92,26 @@ def rank_load(phy2log: torch.Tensor, logical_load: torch.Tensor, num_ranks: int)
             f"{tuple(phy2log.shape)} and {tuple(load.shape)}"
         )
     num_layers, num_slots = phy2log.shape
-    if num_ranks < 1 or num_slots % num_ranks != 0:
-        raise ValueError(f"P={num_slots} slots cannot be split over num_ranks={num_ranks}")
+    per_rank = check_slots_per_rank(num_slots, num_ranks)
     counts = replica_counts(phy2log, load.shape[1]).clamp_min(1).to(torch.float64)
     per_slot = (load / counts).gather(1, phy2log)  # [L, P]
-    return per_slot.view(num_layers, num_ranks, num_slots // num_ranks).sum(dim=2)
+    return per_slot.view(num_layers, num_ranks, per_rank).sum(dim=2)
+
+
+def replica_counts_numpy(phy2log: np.ndarray, num_logical: int) -> np.ndarray:
+    """``[L, N]`` int64 replicas of each expert in ``phy2log [L, P]`` (numpy, unchecked)."""
+    count = np.zeros((phy2log.shape[0], num_logical), dtype=np.int64)
+    np.add.at(count, (np.arange(phy2log.shape[0])[:, None], phy2log), 1)
+    return count
+
+
+def rank_load_numpy(phy2log: np.ndarray, load: np.ndarray, num_ranks: int) -> np.ndarray:
+    """:func:`rank_load` for numpy callers: ``phy2log [L, P]``, ``load [L, N]`` ->
+    ``[L, num_ranks]`` (unchecked: the policies call it on placements they built)."""
+    num_layers, num_slots = phy2log.shape
+    count = replica_counts_numpy(phy2log, load.shape[1])
+    per_slot = np.take_along_axis(load / np.maximum(count, 1), phy2log, 1)
+    return per_slot.reshape(num_layers, num_ranks, num_slots // num_ranks).sum(axis=2)
 
 
 def peak_to_mean(tokens_per_rank: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from eplb_graph.placement import check_slots_per_rank
+
 __all__ = [
     "linear_sum_assignment",
     "preserve_slots",
@@ -38,17 +40,23 @@ def _as_table(phy2log: torch.Tensor | np.ndarray, name: str) -> np.ndarray:
     return array
 
 
-def _pair(
-    old_phy2log: torch.Tensor | np.ndarray, new_phy2log: torch.Tensor | np.ndarray, num_ranks: int
-) -> tuple[np.ndarray, np.ndarray, int]:
-    """Validated ``(old [L, P], new [L, P], slots_per_rank)``."""
+def _tables(
+    old_phy2log: torch.Tensor | np.ndarray, new_phy2log: torch.Tensor | np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Validated ``(old [L, P], new [L, P])`` of the same shape."""
     old = _as_table(old_phy2log, "old_phy2log")
     new = _as_table(new_phy2log, "new_phy2log")
     if old.shape != new.shape:
         raise ValueError(f"old and new phy2log shapes differ: {old.shape} vs {new.shape}")
-    if num_ranks < 1 or old.shape[1] % num_ranks != 0:
-        raise ValueError(f"P={old.shape[1]} slots cannot be split over num_ranks={num_ranks}")
-    return old, new, old.shape[1] // num_ranks
+    return old, new
+
+
+def _pair(
+    old_phy2log: torch.Tensor | np.ndarray, new_phy2log: torch.Tensor | np.ndarray, num_ranks: int
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Validated ``(old [L, P], new [L, P], slots_per_rank)``."""
+    old, new = _tables(old_phy2log, new_phy2log)
+    return old, new, check_slots_per_rank(old.shape[1], num_ranks)
 
 
 def preserve_slots(
@@ -249,10 +257,7 @@ def slots_changed(
     old_phy2log: torch.Tensor | np.ndarray, new_phy2log: torch.Tensor | np.ndarray
 ) -> torch.Tensor:
     """``[L]`` float64: fraction of slots whose expert differs between ``old`` and ``new``."""
-    old = _as_table(old_phy2log, "old_phy2log")
-    new = _as_table(new_phy2log, "new_phy2log")
-    if old.shape != new.shape:
-        raise ValueError(f"old and new phy2log shapes differ: {old.shape} vs {new.shape}")
+    old, new = _tables(old_phy2log, new_phy2log)
     return torch.from_numpy((old != new).mean(axis=1))
 
 

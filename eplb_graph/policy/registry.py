@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 from eplb_graph.errors import EplbError
+from eplb_graph.placement import check_slots_per_rank
 
 
 class PolicyFunction(Protocol):
@@ -99,8 +100,7 @@ def rebalance(
     """Run the policy ``name``; returns ``phy2log [L, P]`` int64 (see module docstring)."""
     policy = get_policy(name)
     samples = normalize_weight(weight)
-    if num_replicas % num_ranks != 0:
-        raise ValueError(f"num_replicas P={num_replicas} is not divisible by num_ranks={num_ranks}")
+    check_slots_per_rank(num_replicas, num_ranks, name="num_replicas")
     if num_replicas < samples.shape[2]:
         raise ValueError(
             f"num_replicas P={num_replicas} is smaller than the number of experts "

@@ -4,7 +4,7 @@ Why: on links too slow to reshuffle a model (vllm-ascend built SwiftBalance for 
 rebalancing must be a handful of targeted moves. Experts with a single copy stay where they are;
 only copies of replicated experts move, each move must lower the hottest rank, and both the
 number of moves per layer and the number of transfers between any two ranks are capped.
-Semantics after vllm-ascend's ``eplb_policy_type`` 2, written from its description.
+It follows vllm-ascend's ``eplb_policy_type`` 2, so that legacy setting keeps its meaning.
 
 Definitions (per layer):
 
@@ -40,7 +40,9 @@ import numpy as np
 import torch
 
 from eplb_graph.policy.deepseek import default_policy
+from eplb_graph.policy.metrics import rank_load_numpy, replica_counts_numpy
 from eplb_graph.policy.registry import register_policy
+from eplb_graph.policy.slot_tables import SlotTables
 
 __all__ = ["SwiftMoves", "movable_slots", "swift_balance_policy", "swift_balance_search"]
 
@@ -49,19 +51,7 @@ logger = logging.getLogger(__name__)
 
 def movable_slots(old_phy2log: np.ndarray, num_logical: int) -> np.ndarray:
     """``[L, P]`` bool: slots whose expert has more than one replica in ``old_phy2log [L, P]``."""
-    num_layers = old_phy2log.shape[0]
-    count = np.zeros((num_layers, num_logical), dtype=np.int64)
-    np.add.at(count, (np.arange(num_layers)[:, None], old_phy2log), 1)
-    return np.take_along_axis(count, old_phy2log, 1) > 1
-
-
-def _rank_loads(phy2log: np.ndarray, load: np.ndarray, num_ranks: int) -> np.ndarray:
-    """``[L, ranks]`` loads of ``phy2log [L, P]`` under ``load [L, N]`` (even split)."""
-    num_layers, num_slots = phy2log.shape
-    count = np.zeros(load.shape, dtype=np.int64)
-    np.add.at(count, (np.arange(num_layers)[:, None], phy2log), 1)
-    per_slot = np.take_along_axis(load / np.maximum(count, 1), phy2log, 1)
-    return per_slot.reshape(num_layers, num_ranks, num_slots // num_ranks).sum(axis=2)
+    return np.take_along_axis(replica_counts_numpy(old_phy2log, num_logical), old_phy2log, 1) > 1
 
 
 def _best_swap(
@@ -199,25 +189,13 @@ def swift_balance_search(
     num_layers, num_slots = old_phy2log.shape
     num_logical = load.shape[1]
     per_rank = num_slots // num_ranks
-    slot_rank = np.arange(num_slots) // per_rank
-    phy2log = old_phy2log.copy()
+    tables = SlotTables.start(old_phy2log, num_logical, num_ranks)
+    phy2log, count, on_rank = tables.phy2log, tables.count, tables.on_rank
+    slot_rank = tables.slot_rank
     movable = movable_slots(old_phy2log, num_logical)
-    layer_index = np.arange(num_layers)[:, None]
-    count = np.zeros((num_layers, num_logical), dtype=np.int64)
-    np.add.at(count, (layer_index, phy2log), 1)
-    on_rank = np.zeros((num_layers, num_logical, num_ranks), dtype=np.int64)
-    np.add.at(on_rank, (layer_index, phy2log, slot_rank[None, :]), 1)
     sent = np.zeros((num_layers, num_ranks, num_ranks), dtype=np.int64)  # [L, src, dst]
     moves = np.zeros(num_layers, dtype=np.int64)
     active = np.ones(num_layers, dtype=bool)
-
-    def put(layers: np.ndarray, slots: np.ndarray, experts: np.ndarray) -> None:
-        old = phy2log[layers, slots]
-        np.subtract.at(on_rank, (layers, old, slot_rank[slots]), 1)
-        np.add.at(on_rank, (layers, experts, slot_rank[slots]), 1)
-        np.subtract.at(count, (layers, old), 1)
-        np.add.at(count, (layers, experts), 1)
-        phy2log[layers, slots] = experts
 
     for _ in range(max_swaps):
         rows = np.flatnonzero(active)
@@ -253,14 +231,14 @@ def swift_balance_search(
             pick = found & use_swap
             slot_a, slot_b = hot_slot[pick], swap_column[pick] % num_slots
             expert_a, expert_b = phy2log[layers, slot_a], phy2log[layers, slot_b]
-            put(layers, slot_a, expert_b)
-            put(layers, slot_b, expert_a)
+            tables.reassign_(layers, slot_a, expert_b)
+            tables.reassign_(layers, slot_b, expert_a)
             sent[layers, slot_rank[slot_a], slot_rank[slot_b]] += 1
             sent[layers, slot_rank[slot_b], slot_rank[slot_a]] += 1
         pick = found & ~use_swap
         layers = rows[pick]
         if layers.size:
-            put(layers, hot_slot[pick], replace_column[pick] % num_logical)
+            tables.reassign_(layers, hot_slot[pick], replace_column[pick] % num_logical)
             sent[layers, source[pick], hot[pick]] += 1
     return SwiftMoves(phy2log, sent, moves)
 
@@ -303,8 +281,8 @@ def swift_balance_policy(
     load = weight.sum(dim=0).numpy()
     old = old_phy2log.numpy().astype(np.int64, copy=True)
     new = swift_balance_search(load, old, num_ranks, max_swaps, max_transfers_per_rank_pair).phy2log
-    old_load = _rank_loads(old, load, num_ranks)
-    new_load = _rank_loads(new, load, num_ranks)
+    old_load = rank_load_numpy(old, load, num_ranks)
+    new_load = rank_load_numpy(new, load, num_ranks)
     # Imbalance max / mean; the mean is the same for both (same total), so compare the peaks.
     improved = new_load.max(axis=1) < old_load.max(axis=1)
     return torch.from_numpy(np.where(improved[:, None], new, old))

@@ -21,6 +21,7 @@ from eplb_graph.control.planning import PolicyPlanner, WindowPlan, plan_window
 from eplb_graph.control.settings import ControlSettings
 from eplb_graph.control.window import WindowSnapshot, local_reducer, reduce_window
 from eplb_graph.placement import Placement
+from eplb_graph.policy.metrics import balancedness_of_slots
 from eplb_graph.progress import ProgressBar
 from eplb_graph.simulate.trace import LoadTrace
 from eplb_graph.state import EplbState
@@ -87,12 +88,6 @@ def transfers_between(old: torch.Tensor, new: torch.Tensor, num_ranks: int) -> t
     old_pairs.scatter_(1, rank * num_experts + old, True)
     new_pairs.scatter_(1, rank * num_experts + new, True)
     return (new_pairs & ~old_pairs).sum(dim=1)
-
-
-def _rank_balancedness(slot_load: torch.Tensor, num_ranks: int) -> float:
-    per_rank = slot_load.reshape(slot_load.shape[0], num_ranks, -1).sum(dim=2)
-    peak = float(per_rank.max(dim=1).values.sum())
-    return 0.0 if peak == 0.0 else float(per_rank.mean(dim=1).sum()) / peak
 
 
 class _EvenSplit:
@@ -214,8 +209,8 @@ def _simulate(
             slot_load = split(logical)
             if bool(state.record_enabled):
                 state.load.add_(slot_load.round().to(torch.int64))
-            step_balance = _rank_balancedness(slot_load, cluster.num_ranks)
-            step_baseline = _rank_balancedness(baseline_split(logical), cluster.num_ranks)
+            step_balance = balancedness_of_slots(slot_load, cluster.num_ranks)
+            step_baseline = balancedness_of_slots(baseline_split(logical), cluster.num_ranks)
             balance_sum += step_balance
             baseline_sum += step_baseline
             controller.end_step()

@@ -238,9 +238,7 @@ def _exchange_part(rank: int, world_size: int, config: ExchangeConfig, views) ->
     variants = {
         "stage": lambda: stage_reads_(views[layer_box[0]], rank_plan, block),
         "copy_floor": lambda: block.reads[:staged].copy_(floor_source),
-        "ours": lambda: communicator.exchange(
-            plan, block, layer=layer_box[0]
-        ),
+        "ours": lambda: communicator.exchange(plan, block, layer=layer_box[0]),
         "raw": raw,
         "raw_bulk": raw_bulk,
         "install": lambda: install_layer_(views[layer_box[0]], rank_plan, block),
