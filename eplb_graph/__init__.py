@@ -9,6 +9,8 @@ Importing this package registers ``torch.ops.eplb_graph.*`` (see ``eplb_graph.op
 - ``ControlSettings``, ``MovementSettings``: its plain settings objects;
 - ``GroupRing``: the gloo groups EPLB moves weights over (never the serving group);
 - ``make_expert_view``: the weight view of one layer's experts, by format;
+- ``parse_cli_args``, ``resolve_eplb_config``, ``to_runtime_settings``: vLLM / vllm-ascend EPLB
+  settings, validated once and turned into the settings objects above;
 - ``EplbError``: the base of every error the package raises on purpose.
 """
 
@@ -22,14 +24,17 @@ from eplb_graph.integrations.settings import (
     ConfigError,
     EplbConfig,
     LegacyEplbConfig,
+    parse_cli_args,
     resolve_eplb_config,
+    to_runtime_settings,
 )
 from eplb_graph.movement.settings import MovementSettings
 from eplb_graph.movement.transport import GroupRing
 from eplb_graph.movement.views import make_expert_view, supported_formats
-from eplb_graph.placement import Placement, PlacementError
+from eplb_graph.placement import Placement
 from eplb_graph.runtime import EplbRuntime
 from eplb_graph.state import EplbState
+from eplb_graph.tables import PlacementError
 
 __all__ = [
     "ConfigError",
@@ -45,7 +50,9 @@ __all__ = [
     "Placement",
     "PlacementError",
     "make_expert_view",
+    "parse_cli_args",
     "resolve_eplb_config",
     "supported_formats",
+    "to_runtime_settings",
 ]
 __version__ = "0.1.0"

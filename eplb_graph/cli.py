@@ -60,11 +60,12 @@ def _map_validate(args: argparse.Namespace) -> int:
 
     Exit 1 and 2 are kept apart so scripts can tell "fix the map" from "fix the path".
     """
-    from eplb_graph.expert_map import ExpertMapError, load_expert_map, summarize
+    from eplb_graph.expert_map import ExpertMapError
+    from eplb_graph.placement import Placement
 
     report: dict = {"file": args.file, "valid": False, "error": None, "summary": None}
     try:
-        placement = load_expert_map(args.file, num_logical=args.num_logical)
+        placement = Placement.load_expert_map(args.file, num_logical=args.num_logical)
     except ExpertMapError as error:
         report["error"] = str(error)
         sys.stdout.write(f"invalid: {error}\n")
@@ -75,7 +76,7 @@ def _map_validate(args: argparse.Namespace) -> int:
         status = 2
     else:
         report["valid"] = True
-        report["summary"] = summarize(placement)
+        report["summary"] = placement.summary()
         sys.stdout.write(f"valid: {args.file}\n")
         width = max(len(key) for key in report["summary"])
         for key, value in report["summary"].items():

@@ -12,7 +12,7 @@ global slot ``p = device_id * S + k`` (``S`` slots per device) and ``phy2log[l, 
 Why strict: upstream checks only the file suffix and existence, and a hand-edited map with a
 missing expert or a duplicated slot loads "fine" and then routes tokens to the wrong weights. Here
 every defect is an :class:`ExpertMapError` naming the layer, device and slot, raised before a
-:class:`~eplb_graph.placement.Placement` exists. Why atomic: the record mode rewrites the map every
+a placement exists. Why atomic: the record mode rewrites the map every
 rebalance cycle; a crash mid-write must leave the previous map, never half of a new one.
 """
 
@@ -24,11 +24,11 @@ import tempfile
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 
-from eplb_graph.placement import Placement, PlacementError, replica_counts
+from eplb_graph.tables import PlacementError, replica_counts, validate_phy2log
 
 _TOP_KEYS = ("moe_layer_count", "layer_list")
 _LAYER_KEYS = ("layer_id", "device_count", "device_list")
@@ -74,9 +74,21 @@ def _rebuild_error(problem: str, kwargs: dict[str, Any]) -> ExpertMapError:
     return ExpertMapError(problem, **kwargs)
 
 
+class ExpertMapTable(NamedTuple):
+    """An expert map's content: ``phy2log [L, P]`` int64 and its shape facts.
+
+    ``Placement.load_expert_map`` turns it into a placement; this module deals in tables only,
+    so the file format does not depend on the value object built from it.
+    """
+
+    phy2log: torch.Tensor
+    num_logical: int
+    num_ranks: int
+
+
 # -- reading ------------------------------------------------------------------------------------
-def load_expert_map(path: str | os.PathLike, num_logical: int | None = None) -> Placement:
-    """Read and validate an expert-map file; returns its :class:`Placement`.
+def load_expert_map(path: str | os.PathLike, num_logical: int | None = None) -> ExpertMapTable:
+    """Read and validate an expert-map file; returns its table.
 
     Args:
         path: JSON file in the schema above.
@@ -178,8 +190,8 @@ def _short(value: Any) -> str:
 
 def parse_expert_map(
     document: Any, num_logical: int | None = None, *, path: str | os.PathLike | None = None
-) -> Placement:
-    """Validate a parsed expert-map document and build its :class:`Placement`.
+) -> ExpertMapTable:
+    """Validate a parsed expert-map document and return its table.
 
     Checks, in order (the first failure is raised): top-level shape; ``moe_layer_count`` equals
     the number of layers; each layer's ``layer_id`` is unique and equals its position; every
@@ -233,7 +245,12 @@ def parse_expert_map(
             layer=layer,
         )
     num_layers, num_devices, _slots = experts.shape
-    return Placement(experts.reshape(num_layers, -1), num_logical, num_devices)
+    phy2log = experts.reshape(num_layers, -1)
+    try:
+        validate_phy2log(phy2log, num_logical, num_devices)
+    except PlacementError as error:
+        check.fail(str(error))
+    return ExpertMapTable(phy2log, num_logical, num_devices)
 
 
 def _parse_layer(check: _Checker, index: int, entry: Any) -> tuple[int, list[list[int]]]:
@@ -357,17 +374,17 @@ def _check_no_duplicates_per_device(check: _Checker, experts: torch.Tensor) -> N
 
 
 # -- writing ------------------------------------------------------------------------------------
-def expert_map_document(placement: Placement) -> dict[str, Any]:
-    """The JSON document of ``placement`` (one entry per layer, device ids ``0..ranks-1``)."""
-    rows = placement.phy2log.view(
-        placement.num_layers, placement.num_ranks, placement.slots_per_rank
-    ).tolist()
+def expert_map_document(phy2log: torch.Tensor, num_ranks: int) -> dict[str, Any]:
+    """The JSON document of ``phy2log [L, P]`` (one entry per layer, device ids
+    ``0..num_ranks-1``)."""
+    num_layers = phy2log.shape[0]
+    rows = phy2log.reshape(num_layers, num_ranks, -1).tolist()
     return {
-        "moe_layer_count": placement.num_layers,
+        "moe_layer_count": num_layers,
         "layer_list": [
             {
                 "layer_id": layer,
-                "device_count": placement.num_ranks,
+                "device_count": num_ranks,
                 "device_list": [
                     {"device_id": device, "device_expert": experts}
                     for device, experts in enumerate(devices)
@@ -404,8 +421,10 @@ def _format(document: dict[str, Any]) -> str:
     return "\n".join(lines()) + "\n"
 
 
-def save_expert_map(placement: Placement, path: str | os.PathLike) -> None:
-    """Write ``placement`` as an expert map, atomically.
+def save_expert_map(
+    phy2log: torch.Tensor, num_logical: int, num_ranks: int, path: str | os.PathLike
+) -> None:
+    """Write ``phy2log [L, P]`` as an expert map, atomically.
 
     The document is validated before anything is written (a placement with one expert twice on a
     device cannot be expressed in this schema). The bytes go to a temporary file in the target's
@@ -416,8 +435,8 @@ def save_expert_map(placement: Placement, path: str | os.PathLike) -> None:
         ExpertMapError: the placement cannot be written in this schema (nothing is written).
         OSError: the directory is missing or not writable (nothing is replaced).
     """
-    document = expert_map_document(placement)
-    parse_expert_map(document, num_logical=placement.num_logical, path=path)
+    document = expert_map_document(phy2log, num_ranks)
+    parse_expert_map(document, num_logical=num_logical, path=path)
     _atomic_write_text(Path(path), _format(document))
 
 
@@ -458,25 +477,3 @@ def _fsync_directory(directory: Path) -> None:
         pass
     finally:
         os.close(descriptor)
-
-
-# -- reporting ----------------------------------------------------------------------------------
-def summarize(placement: Placement) -> dict[str, Any]:
-    """Facts a reviewer checks first: shape, redundancy and how replicas are spread.
-
-    ``replicas_histogram[k]`` = number of (layer, logical expert) pairs with ``k`` replicas.
-    """
-    counts = placement.replica_count()
-    values, frequencies = torch.unique(counts, return_counts=True)
-    return {
-        "layers": placement.num_layers,
-        "devices": placement.num_ranks,
-        "slots_per_device": placement.slots_per_rank,
-        "num_slots": placement.num_slots,
-        "num_logical": placement.num_logical,
-        "num_redundant": placement.num_redundant,
-        "max_replicas": int(counts.max()),
-        "replicas_histogram": {
-            str(int(v)): int(f) for v, f in zip(values, frequencies, strict=True)
-        },
-    }

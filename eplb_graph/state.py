@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from eplb_graph.ops import INDEX_DTYPES
-from eplb_graph.placement import (
-    Placement,
+from eplb_graph.placement import Placement
+from eplb_graph.tables import (
     PlacementError,
     check_layer_index,
     check_lookup_width,

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eplb_graph import EplbState, Placement, PlacementError
-from eplb_graph.placement import check_slots_per_rank
+from eplb_graph.tables import check_slots_per_rank
 
 OPS = torch.ops.eplb_graph
 INDEX_DTYPES = (torch.int32, torch.int64)

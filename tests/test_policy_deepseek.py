@@ -9,7 +9,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eplb_graph import Placement
-from eplb_graph.placement import derive_log2phy
 from eplb_graph.policy import (
     deepseek,
     get_policy,
@@ -20,6 +19,7 @@ from eplb_graph.policy import (
     reference_deepseek,
 )
 from eplb_graph.policy.reference_deepseek import reference_rebalance_experts
+from eplb_graph.tables import derive_log2phy
 
 UPSTREAM_WEIGHT = [
     [90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],

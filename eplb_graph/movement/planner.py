@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from eplb_graph.errors import EplbError
-from eplb_graph.placement import check_slots_per_rank
+from eplb_graph.tables import check_slots_per_rank
 
 logger = logging.getLogger(__name__)
 

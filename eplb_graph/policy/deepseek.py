@@ -36,9 +36,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from eplb_graph.placement import check_slots_per_rank
 from eplb_graph.policy import preserve
 from eplb_graph.policy.registry import register_policy
+from eplb_graph.tables import check_slots_per_rank
 
 __all__ = [
     "balanced_packing",

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from eplb_graph.placement import check_slots_per_rank, replica_counts
+from eplb_graph.tables import check_slots_per_rank, replica_counts
 
 __all__ = [
     "HotnessReport",

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from eplb_graph.placement import check_slots_per_rank
+from eplb_graph.tables import check_slots_per_rank
 
 __all__ = [
     "linear_sum_assignment",

@@ -21,7 +21,7 @@ from typing import Protocol
 import torch
 
 from eplb_graph.errors import EplbError
-from eplb_graph.placement import check_slots_per_rank
+from eplb_graph.tables import check_slots_per_rank
 
 
 class PolicyFunction(Protocol):

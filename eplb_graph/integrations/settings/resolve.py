@@ -386,12 +386,12 @@ def _load_legacy_map(
     field: str, config: LegacyEplbConfig, num_experts: int, ep_size: int
 ) -> Placement:
     """Load and fully validate the static map now, so a bad map fails at initialization."""
-    from eplb_graph.expert_map import ExpertMapError, load_expert_map
+    from eplb_graph.expert_map import ExpertMapError
 
     path = config.expert_map_path
     assert path is not None
     try:
-        placement = load_expert_map(path, num_logical=num_experts)
+        placement = Placement.load_expert_map(path, num_logical=num_experts)
     except ExpertMapError as error:
         raise ConfigError(field, f"invalid expert map: {error}") from error
     except OSError as error:
