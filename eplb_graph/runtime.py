@@ -68,6 +68,8 @@ class EplbRuntime:
         record_map_path: record mode: plans are written to this expert-map JSON by rank 0 and
             never applied.
         agreement: the store-decided votes (default: over the job's rendezvous store).
+        record_load: whether this rank records load. Where every rank routes every token
+            (replicated routing), pass ``rank == 0`` so each token is counted once.
     """
 
     def __init__(
@@ -84,6 +86,7 @@ class EplbRuntime:
         fault_hook: FaultHook | None = None,
         record_map_path: str | None = None,
         agreement: StoreAgreement | None = None,
+        record_load: bool = True,
     ) -> None:
         if len(views) != state.num_layers:
             raise ValueError(
@@ -150,7 +153,9 @@ class EplbRuntime:
         reduce = local_reducer
         if control.log_balancedness and dist.is_initialized() and state.num_ranks > 1:
             reduce = process_group_reducer(dist.new_group(backend="gloo"))
-        self.controller = EplbController(state, control, self._rebalance, reduce=reduce)
+        self.controller = EplbController(
+            state, control, self._rebalance, reduce=reduce, record_load=record_load
+        )
 
     # -- per step ------------------------------------------------------------------------------
     def begin_step(self, *, has_prefill: bool, num_valid_tokens: int) -> list[int]:

@@ -70,7 +70,11 @@ class EplbState:
         device: where the tensors live.
         index_dtype: dtype of the lookup tables (int32 halves their size; int64 matches upstream).
         load_dtype: dtype of the load counters.
-        rank: this process's EP rank; seeds ``offset`` so ranks start on different replicas.
+        rank: this process's EP rank.
+        offset_seed: the replica-choice ``offset`` at step 0 (default: ``rank``). Where each rank
+            routes its own tokens, different seeds make ranks start on different replicas;
+            where every rank routes every token (replicated routing, e.g. vLLM's CPU expert
+            parallelism), the seed must be the same on every rank (a token's replica must be).
     """
 
     def __init__(
@@ -82,6 +86,7 @@ class EplbState:
         index_dtype: torch.dtype = torch.int64,
         load_dtype: torch.dtype = torch.int64,
         rank: int = 0,
+        offset_seed: int | None = None,
     ) -> None:
         if index_dtype not in INDEX_DTYPES:
             raise TypeError(f"index_dtype must be torch.int32 or torch.int64, got {index_dtype}")
@@ -114,7 +119,8 @@ class EplbState:
         self.load = torch.zeros(num_layers, num_slots, dtype=load_dtype, device=device)
         self.record_enabled = torch.ones((), dtype=torch.bool, device=device)
         self.num_valid_tokens = torch.zeros((), dtype=torch.int64, device=device)
-        self.offset = torch.full((), rank, dtype=torch.int64, device=device)
+        seed = rank if offset_seed is None else offset_seed
+        self.offset = torch.full((), seed & _LOW32, dtype=torch.int64, device=device)
         for tensor in self.graph_tensors().values():
             torch._dynamo.mark_static_address(tensor, guard=False)
 

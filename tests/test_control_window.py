@@ -241,3 +241,14 @@ def test_window_close_reports_current_and_planned_hotness():
     }
     assert hotness["current_peak_to_mean_max"] >= 1.0
     assert hotness["updated_balancedness"] > 0.0
+
+
+def test_a_rank_that_does_not_record_load_only_takes_its_steps():
+    """Replicated routing: only one rank records, so the cross-rank sum counts tokens once."""
+    state = _state()
+    controller = _controller(state, ControlSettings(window_size=4, step_interval=8))
+    controller.record_load = False
+    plans = _run(controller, 8, load_value=3)
+    assert controller.window.steps_seen == 8
+    assert not bool(state.record_enabled)
+    assert [int(plan.load.physical.sum()) for _, plan in plans] == [0]  # one close, step 2

@@ -586,3 +586,10 @@ def test_state_never_aliases_the_placement_it_was_built_from():
     state.commit_layer_(0, torch.tensor([3, 2, 1, 0, 0, 1, 2, 3]))
     assert torch.equal(placement.phy2log, before)
     assert not torch.equal(state.placement.phy2log, before)
+
+
+def test_offset_seed_defaults_to_the_rank_and_can_be_shared():
+    placement = Placement.default(1, 4, 4, 2)
+    assert [int(EplbState(placement, rank=r).offset) for r in (0, 1)] == [0, 1]
+    shared = [int(EplbState(placement, rank=r, offset_seed=7).offset) for r in (0, 1)]
+    assert shared == [7, 7]

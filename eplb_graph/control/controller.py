@@ -50,6 +50,9 @@ class EplbController:
             window, so whoever plans walks the same sequence of windows on every rank.
         reduce: sums CPU tensors across EP ranks for the balancedness log only
             (:func:`~eplb_graph.control.window.process_group_reducer` over a group of its own).
+        record_load: whether this rank records load at all. With replicated routing (every rank
+            routes every token) one rank records and the others only take their steps, so the
+            cross-rank sum counts each token once.
     """
 
     def __init__(
@@ -59,8 +62,10 @@ class EplbController:
         on_window_closed: WindowSink,
         *,
         reduce: LoadReducer = local_reducer,
+        record_load: bool = True,
     ) -> None:
         self.state = state
+        self.record_load = record_load
         self.settings = settings
         self.on_window_closed = on_window_closed
         self.reduce = reduce
@@ -91,7 +96,7 @@ class EplbController:
         """Before the forward: decide the batch phase once, set the graph's step inputs."""
         self._phase = BatchPhase.of_batch(has_prefill)
         collects = self.settings.load_collection_phase.collects(self._phase)
-        self._recording = collects and self.recording_due()
+        self._recording = self.record_load and collects and self.recording_due()
         self.state.set_step_inputs_(num_valid_tokens, self._recording)
         self.state.advance_offset_()
 

@@ -239,7 +239,7 @@ class RebalancePipeline:
             attempt.fail(f"no movement group: {type(failure).__name__}: {failure}")
         # Earlier layers must be installed first: their sources are read from the live
         # weights, and the placement they leave is this job's starting point.
-        if not self.pool.wait_all_free(self.settings.exchange_timeout_s):
+        if not self.pool.wait_all_free(self.settings.install_wait_s):
             attempt.fail("earlier layers were not installed by the main thread in time")
         _, old = self.state.committed_snapshot()
         new = self._plan(attempt, job, group, old)
@@ -310,11 +310,12 @@ class RebalancePipeline:
             attempt.transport_failed = True
             attempt.fail(f"window reduction failed: {type(failure).__name__}: {failure}")
             return old
+        # Every rank reduced the same window: record it in the planner's history before anything
+        # below can fail, so the histories stay equal on every rank whatever happens next.
+        observe = getattr(self.planner, "observe", None)
+        if observe is not None:
+            observe(load)
         if not plan:
-            # Every rank reduced the same window: keep the planner's history equal everywhere.
-            observe = getattr(self.planner, "observe", None)
-            if observe is not None:
-                observe(load)
             return old
         try:
             self.fault_hook("plan", -1)
@@ -379,7 +380,7 @@ class RebalancePipeline:
         plan = plan_transfer(old_row, new_row, self.state.num_ranks)
         rank_plan = plan.ranks[self.rank]
         prepared = self.state.prepare_layer(layer, new_row)
-        block = self.pool.acquire(layer, timeout=self.settings.exchange_timeout_s)
+        block = self.pool.acquire(layer, timeout=self.settings.install_wait_s)
         if block is None:
             raise TimeoutError("no staging block was released by the main thread in time")
         try:

@@ -7,18 +7,34 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class MovementSettings:
-    layers_per_step: int = 1  # layers committed together at one agreed step
-    commit_margin_steps: int = 8  # fence distance: steps a decision may take before a veto
+    """Args:
+    layers_per_step: layers committed together at one agreed step.
+    commit_margin_steps: fence distance: serving steps a commit decision may take before the
+        main thread vetoes it.
+    exchange_timeout_s: longest wait for a peer in a point-to-point batch.
+    agree_timeout_s: longest wait for a collective (window reduction, group probe) and, with
+        ``exchange_timeout_s``, for the votes of a decision.
+    install_wait_s: longest the worker waits for *its own* main thread to install earlier
+        layers (a staging block back, or every block free before the next rearrangement). That
+        wait ends when serving reaches the agreed commit steps, so it is sized in serving time,
+        not in peer latency: a slow step rate must not abort a healthy rearrangement.
+    max_batch_ops: transfers per exchange batch across the whole group.
+    staging_blocks: staging blocks (default ``2 x layers_per_step``: stage ahead of commit).
+    """
+
+    layers_per_step: int = 1
+    commit_margin_steps: int = 8
     exchange_timeout_s: float = 30.0
     agree_timeout_s: float = 30.0
+    install_wait_s: float = 120.0
     max_batch_ops: int = 32
-    staging_blocks: int | None = None  # default: 2 x layers_per_step (stage ahead of commit)
+    staging_blocks: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("layers_per_step", "commit_margin_steps", "max_batch_ops"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.exchange_timeout_s <= 0 or self.agree_timeout_s <= 0:
+        if min(self.exchange_timeout_s, self.agree_timeout_s, self.install_wait_s) <= 0:
             raise ValueError("timeouts must be positive")
 
     @property

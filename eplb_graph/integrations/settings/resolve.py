@@ -23,7 +23,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from eplb_graph.control.phases import CollectionPhase
 from eplb_graph.integrations.settings.fields import (
@@ -36,10 +36,8 @@ from eplb_graph.integrations.settings.fields import (
 )
 from eplb_graph.integrations.settings.legacy import LegacyEplbConfig, v2_equivalent
 from eplb_graph.integrations.settings.v2 import EplbConfig
+from eplb_graph.placement import Placement
 from eplb_graph.policy import policy_names as registered_policy_names
-
-if TYPE_CHECKING:
-    from eplb_graph.placement import Placement
 
 logger = logging.getLogger(__name__)
 
