@@ -213,9 +213,11 @@ class EplbRuntime:
             "bytes_received": pipeline.bytes_received,
             "policy_seconds": pipeline.policy_seconds,
             "plans_recorded": pipeline.plans_recorded,
+            "record_failures": pipeline.record_failures,
             "last_error": pipeline.last_error,
             "last_hotness": pipeline.last_hotness,
             "last_window_balancedness": pipeline.last_window_balancedness,
+            "window_balancedness": list(pipeline.window_balancedness),
             "fence_waits": self.clock.fence_waits,
             "vetoes": self.clock.vetoes,
         }

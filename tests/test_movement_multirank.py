@@ -182,7 +182,7 @@ def test_sync_mode_moves_exactly_too():
         assert result["layers"] > 0
 
 
-def _record_body(rank: int, world_size: int, path: str) -> dict:
+def _record_body(rank: int, world_size: int, path: str, duplicated: bool = False) -> dict:
     import torch
 
     import eplb_graph
@@ -198,6 +198,9 @@ def _record_body(rank: int, world_size: int, path: str) -> dict:
     views = rank_views("unquantized", placement.phy2log, rank, world_size, payloads)
     before = [view.tensors()["w13"].clone() for view in views]
     target = random_placement(torch.Generator().manual_seed(9), LAYERS, EXPERTS, 4 * world_size)
+    if duplicated:  # expert 0 in two slots of rank 0: no expert map can say that
+        row = torch.cat([torch.zeros(2, dtype=torch.int64), torch.arange(1, 4 * world_size - 1)])
+        target = (row % EXPERTS).expand(LAYERS, -1).clone()
     runtime = EplbRuntime(
         state,
         views,
@@ -214,7 +217,8 @@ def _record_body(rank: int, world_size: int, path: str) -> dict:
     for _ in range(400):
         runtime.begin_step(has_prefill=False, num_valid_tokens=2)
         runtime.end_step()
-        lockstep.fill_(float(runtime.metrics()["movement"]["plans_recorded"] == 0))
+        movement = runtime.metrics()["movement"]
+        lockstep.fill_(float(movement["plans_recorded"] + movement["record_failures"] == 0))
         dist.all_reduce(lockstep)
         if lockstep.item() == 0:
             break
@@ -225,6 +229,9 @@ def _record_body(rank: int, world_size: int, path: str) -> dict:
             torch.equal(b, v.tensors()["w13"]) for b, v in zip(before, views, strict=True)
         ),
         "target": target.tolist(),
+        "recorded": runtime.metrics()["movement"]["plans_recorded"],
+        "failures": runtime.metrics()["movement"]["record_failures"],
+        "last_error": runtime.metrics()["movement"]["last_error"],
     }
 
 
@@ -237,3 +244,14 @@ def test_record_mode_writes_the_plan_and_moves_nothing(tmp_path):
     assert all(r["placement_unchanged"] and r["weights_unchanged"] for r in results)
     recorded = eplb_graph.Placement.load_expert_map(path, num_logical=EXPERTS)
     assert recorded.phy2log.tolist() == results[0]["target"]
+
+
+@pytest.mark.multiprocess
+def test_record_mode_reports_a_plan_it_cannot_write_and_never_counts_it(tmp_path):
+    path = tmp_path / "recorded.json"
+    results = run_ranks(_record_body, 2, str(path), True, timeout_s=120)
+    assert not path.exists()
+    for result in results:
+        assert result["placement_unchanged"] and result["weights_unchanged"]
+        assert result["recorded"] == 0 and result["failures"] >= 1
+        assert "not recorded" in result["last_error"] and "one copy" in result["last_error"]

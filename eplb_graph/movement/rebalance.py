@@ -48,6 +48,9 @@ from eplb_graph.state import EplbState
 
 logger = logging.getLogger(__name__)
 
+BALANCEDNESS_HISTORY = 64
+"""Windows whose balancedness the stats keep (for monitoring; older ones are dropped)."""
+
 FaultHook = Callable[[str, int], None]
 """Test hook called at named points ("plan", "stage", "exchange", "agree") with the layer (-1
 when not per layer); it may raise or sleep to inject a fault."""
@@ -91,10 +94,12 @@ class RebalanceStats:
     bytes_received: int = 0
     policy_seconds: float = 0.0
     plans_recorded: int = 0  # record mode: plans written to the expert map, not applied
+    record_failures: int = 0  # record mode: agreed plans that could not be written
     last_error: str | None = None
     errors: list[str] = field(default_factory=list)
     last_hotness: dict | None = None  # committed vs planned peak-to-mean at the last window
     last_window_balancedness: float | None = None  # committed placement, last window's load
+    window_balancedness: list[float] = field(default_factory=list)  # the last HISTORY windows
 
 
 class PublishAtAgreedStep:
@@ -254,8 +259,7 @@ class RebalancePipeline:
                 leave_group=decision.transport_failed,
             )
         if self.record_map_path is not None:
-            self._record_plan(new)
-            return self._finish(0)
+            return self._record_plan(new)
         changed = [layer for layer in range(len(new)) if not torch.equal(old[layer], new[layer])]
         if not changed:
             self.stats.rearrangements_noop += 1
@@ -326,6 +330,9 @@ class RebalancePipeline:
         self.stats.policy_seconds += window_plan.seconds
         self.stats.last_hotness = window_plan.hotness
         self.stats.last_window_balancedness = window_plan.balancedness
+        history = self.stats.window_balancedness
+        history.append(window_plan.balancedness)
+        del history[:-BALANCEDNESS_HISTORY]
         return old if window_plan.new_phy2log is None else window_plan.new_phy2log
 
     def _reducer(self, group):
@@ -395,18 +402,34 @@ class RebalancePipeline:
             raise
         return PublishedLayer(self._generation, layer, -1, rank_plan, block, prepared, received)
 
-    def _record_plan(self, new: torch.Tensor) -> None:
-        """Record mode: the plan is written, never applied. Rank 0 writes the map atomically
-        (temp file + rename), so a crash never leaves a half-written file."""
+    def _record_plan(self, new: torch.Tensor) -> Outcome:
+        """Record mode: the agreed plan is written as an expert map, never applied.
+
+        Every rank checks that the plan can be written (the same check of the same agreed
+        plan, so the counters agree on every rank); rank 0 then writes it atomically (temp file
+        + rename: a crash never leaves half a file). A plan that cannot be written is reported
+        (log, ``record_failures``, ``last_error``), never counted as recorded.
+        """
+        from eplb_graph.expert_map import ExpertMapError, expert_map_document, parse_expert_map
         from eplb_graph.placement import Placement
 
+        try:
+            document = expert_map_document(new, self.state.num_ranks)
+            parse_expert_map(document, num_logical=self.state.num_logical)
+            if self.rank == 0:
+                placement = Placement(new, self.state.num_logical, self.state.num_ranks)
+                placement.save_expert_map(self.record_map_path)
+        except (ExpertMapError, OSError) as failure:
+            error = f"record mode: the plan was not recorded: {failure}"
+            self.stats.record_failures += 1
+            self.stats.last_error = error
+            self.stats.errors.append(error)
+            logger.error("EPLB rearrangement %d on rank %d: %s", self._generation, self.rank, error)
+            return Outcome(False, error, 0)
         self.stats.plans_recorded += 1
         if self.rank == 0:
-            placement = Placement(new, self.state.num_logical, self.state.num_ranks)
-            placement.save_expert_map(self.record_map_path)
-            logger.info(
-                "EPLB record mode: wrote the planned expert map to %s", self.record_map_path
-            )
+            logger.info("EPLB record mode: wrote the agreed plan to %s", self.record_map_path)
+        return self._finish(0)
 
     # -- endings -------------------------------------------------------------------------------
     def _abort(self, error: str, leave_group: bool, delivered: int = 0) -> Outcome:

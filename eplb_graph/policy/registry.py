@@ -11,6 +11,10 @@ it on traces. Signature of a registered policy::
   that ignores time sums over S). :func:`rebalance` normalizes ``[L, N]`` input to ``S = 1``.
 - ``old_phy2log``: ``[L, P]`` int64 current placement, or ``None`` (first placement).
 - ``options``: policy-specific keyword options; unknown options raise ``TypeError``.
+
+:func:`rebalance` runs one post-pass on every policy's plan: an avoidable second copy of an
+expert on one rank is moved to another rank (``policy/spread.py``), so no policy wastes a slot
+that way and every plan can be written as an expert map.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from typing import Protocol
 import torch
 
 from eplb_graph.errors import EplbError
+from eplb_graph.policy.preserve import preserve_slots
+from eplb_graph.policy.spread import spread_replicas
 from eplb_graph.tables import check_slots_per_rank
 
 
@@ -45,15 +51,24 @@ class UnknownPolicyError(EplbError, KeyError):
 
 
 _POLICIES: dict[str, PolicyFunction] = {}
+_BOUNDED_MOVES: set[str] = set()
 
 
-def register_policy(name: str) -> Callable[[PolicyFunction], PolicyFunction]:
-    """Decorator registering ``fn`` under ``name`` (names are unique)."""
+def register_policy(
+    name: str, *, bounded_moves: bool = False
+) -> Callable[[PolicyFunction], PolicyFunction]:
+    """Decorator registering ``fn`` under ``name`` (names are unique).
+
+    ``bounded_moves``: the policy edits the placement in force within a budget of moves, so
+    :func:`rebalance`'s duplicate post-pass may only swap slots, never re-pack a layer.
+    """
 
     def decorator(fn: PolicyFunction) -> PolicyFunction:
         if name in _POLICIES:
             raise ValueError(f"policy {name!r} is already registered")
         _POLICIES[name] = fn
+        if bounded_moves:
+            _BOUNDED_MOVES.add(name)
         return fn
 
     return decorator
@@ -115,5 +130,14 @@ def rebalance(
             )
     phy2log = policy(
         samples, num_replicas, num_groups, num_nodes, num_ranks, old_phy2log, **options
+    ).to(torch.int64)
+    # Whatever the policy: no avoidable second copy of an expert on one rank (policy/spread.py).
+    spread = spread_replicas(
+        phy2log,
+        samples.sum(dim=0),
+        num_ranks,
+        fewest_moves=name in _BOUNDED_MOVES and old_phy2log is not None,
     )
-    return phy2log.to(torch.int64)
+    if spread is not phy2log and old_phy2log is not None:
+        spread = preserve_slots(old_phy2log, spread, num_ranks)
+    return spread

@@ -243,7 +243,7 @@ def swift_balance_search(
     return SwiftMoves(phy2log, sent, moves)
 
 
-@register_policy("swift_balance")
+@register_policy("swift_balance", bounded_moves=True)
 def swift_balance_policy(
     weight: torch.Tensor,
     num_replicas: int,

@@ -8,10 +8,8 @@ where a legacy key's intent lives in the V2 world (for the messages that reject 
 
 from __future__ import annotations
 
-import os
 import typing
 from dataclasses import dataclass
-from pathlib import Path
 
 from eplb_graph.control.phases import CollectionPhase
 from eplb_graph.integrations.settings.fields import (
@@ -21,6 +19,7 @@ from eplb_graph.integrations.settings.fields import (
     enum_values,
     option,
 )
+from eplb_graph.integrations.settings.paths import check_map_path, check_record_path
 
 #: vllm-ascend ``eplb_policy_type`` -> registered policy name (vllm-ascend's PolicyFactory order).
 #: Type 0 (vllm-ascend's RandomLoadBalance) is deliberately absent: random placement exists only
@@ -44,39 +43,6 @@ def _check_policy_type(name: str, value: int) -> None:
         raise ConfigError(name, f"must be one of {_accepted_policy_types()}, got {value}")
 
 
-def _check_json_path(name: str, value: str) -> None:
-    if not value.strip():
-        raise ConfigError(name, "must be a non-empty path to a .json file")
-    if not value.endswith(".json"):
-        raise ConfigError(name, f"must end in .json (expert maps are JSON), got {value!r}")
-
-
-def _check_map_path(name: str, value: str) -> None:
-    """The static map must exist and be readable now, not at the first MoE layer's init."""
-    _check_json_path(name, value)
-    path = Path(value)
-    if not path.exists():
-        raise ConfigError(name, f"{value!r} does not exist; record a map first or fix the path")
-    if not path.is_file():
-        raise ConfigError(name, f"{value!r} is not a regular file")
-    if not os.access(path, os.R_OK):
-        raise ConfigError(name, f"{value!r} is not readable; fix its permissions")
-
-
-def _check_record_path(name: str, value: str) -> None:
-    """The record target's directory must exist and be writable (we create no directories at
-    configuration time: validation has no side effects)."""
-    _check_json_path(name, value)
-    path = Path(value)
-    if path.is_dir():
-        raise ConfigError(name, f"{value!r} is a directory; give a file path ending in .json")
-    parent = path.parent
-    if not parent.is_dir():
-        raise ConfigError(name, f"directory {str(parent)!r} does not exist; create it first")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(name, f"directory {str(parent)!r} is not writable")
-
-
 @dataclass(frozen=True)
 class LegacyEplbConfig(Validated):
     """vllm-ascend Model Runner V1 EPLB keys, with vllm-ascend's rules plus range checks.
@@ -95,9 +61,9 @@ class LegacyEplbConfig(Validated):
     eplb_heat_collection_stage: str = option(
         CollectionPhase.ALL.value, choices=enum_values(CollectionPhase), doc="iteration phase"
     )
-    expert_map_path: str | None = option(None, check=_check_map_path, doc="static map to load")
+    expert_map_path: str | None = option(None, check=check_map_path, doc="static map to load")
     expert_map_record_path: str | None = option(
-        None, check=_check_record_path, doc="where to record maps"
+        None, check=check_record_path, doc="where to record maps"
     )
 
     def __post_init__(self) -> None:

@@ -105,7 +105,7 @@ def _mean_and_peak(
     return np.where(idle, 1.0, rank_load.mean(axis=1)), np.where(idle, 1.0, peak)
 
 
-@register_policy("churn_aware")
+@register_policy("churn_aware", bounded_moves=True)
 def churn_aware_policy(
     weight: torch.Tensor,
     num_replicas: int,

@@ -1,0 +1,289 @@
+"""eplb-graph's EPLB in place of vLLM's, inside vLLM's CPU model runner.
+
+After vLLM has loaded (and repacked) the weights, :func:`attach` builds one rank's EPLB: an
+``EplbState`` whose rows every MoE router now reads, weight views over the live expert tensors,
+and an ``EplbRuntime`` moving them over eplb-graph's own gloo groups. It then stands a
+:class:`VllmEplbAdapter` where vLLM's ``EplbState`` would be (``runner.eplb_state``), so vLLM's
+own call sites drive it: ``prepare_forward`` before every real forward becomes
+``EplbRuntime.begin_step`` (commits land between steps) and the step after sampling becomes
+``end_step``. Nothing is added to the serving thread's per-step collectives.
+
+Routing on vLLM's CPU expert parallelism is replicated (every rank routes every token and the
+combine all-reduces partial sums), so two things differ from a runner that routes each rank's own
+tokens: every rank uses the same replica offset (a token's replica must be the same everywhere),
+and only EP rank 0 records load (every rank would count the same tokens).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Any
+
+import torch
+
+from eplb_graph.errors import EplbError
+from eplb_graph.integrations.vllm import routing
+from eplb_graph.integrations.vllm.metrics import (
+    RankMetricsFile,
+    compile_counters,
+    placement_digest,
+)
+from eplb_graph.integrations.vllm.settings import VllmEplbSettings, eplb_settings
+from eplb_graph.movement.transport import GroupRing
+from eplb_graph.movement.views import make_expert_view
+from eplb_graph.placement import Placement
+from eplb_graph.runtime import EplbRuntime
+from eplb_graph.state import EplbState
+
+logger = logging.getLogger(__name__)
+
+GROUP_RING_SIZE = 4
+GROUP_TIMEOUT_S = 60.0
+STEP_TIMES_KEPT = 4096
+
+
+class UnsupportedVllmModel(EplbError, RuntimeError):
+    """The loaded model or its expert kernel cannot be balanced by eplb-graph under vLLM."""
+
+
+class VllmEplbAdapter:
+    """Stands where vLLM's ``EplbState`` would be, and forwards to ``EplbRuntime``."""
+
+    is_async = False  # vLLM starts its own async loop only for its own EplbState
+
+    def __init__(
+        self,
+        runner: Any,
+        runtime: EplbRuntime,
+        settings: VllmEplbSettings,
+        ep_rank: int,
+        ep_size: int,
+    ) -> None:
+        self.runner = runner
+        self.runtime = runtime
+        self.state = runtime.state
+        self.settings = settings
+        self.ep_rank = ep_rank
+        self.ep_size = ep_size
+        self.steps = 0
+        self.closed = False
+        self._open = False
+        self._graphs_at_first_step: int | None = None
+        self._step_started = 0.0
+        self._step_busy = False
+        # Serving step times (commits + forward + sampling + end of step), split by whether a
+        # rearrangement was in flight: what a rearrangement costs serving, measured where it runs.
+        self._step_seconds = {
+            "idle": deque(maxlen=STEP_TIMES_KEPT),
+            "rearranging": deque(maxlen=STEP_TIMES_KEPT),
+        }
+        self._metrics = (
+            RankMetricsFile(settings.metrics_path, ep_rank) if settings.metrics_path else None
+        )
+
+    # -- vLLM's call sites ---------------------------------------------------------------------
+    def prepare_forward(self, model_config, num_tokens_unpadded, ubatch_slices=None) -> None:
+        """Before a real forward: commit due layers, set this step's valid-token count."""
+        if model_config is not self.runner.model_config:
+            return  # not the target model (refused at start-up; never route a second model)
+        if self._open:
+            self._end_step()  # a forward whose step hook never came: close it first
+        if self._graphs_at_first_step is None:
+            self._graphs_at_first_step = compile_counters()["unique_graphs"]
+        self._step_started = time.perf_counter()
+        self._step_busy = self.runtime.busy
+        self.runtime.begin_step(
+            has_prefill=_has_prefill(self.runner), num_valid_tokens=int(num_tokens_unpadded)
+        )
+        self._open = True
+
+    def step(self, is_dummy: bool = False, is_profile: bool = False, log_stats: bool = False):
+        """After sampling (and after every dummy run, which has no forward of ours)."""
+        if is_dummy or not self._open:
+            return
+        self._end_step()
+
+    # -- internals -------------------------------------------------------------------------------
+    def _end_step(self) -> None:
+        self.runtime.end_step()
+        # Dummy runs between real steps never call prepare_forward: make them record nothing.
+        self.state.set_step_inputs_(0, False)
+        elapsed = time.perf_counter() - self._step_started
+        self._step_seconds["rearranging" if self._step_busy else "idle"].append(elapsed)
+        self._open = False
+        self.steps += 1
+        if self._metrics is not None:
+            self._metrics.update(self.snapshot())
+
+    def snapshot(self) -> dict[str, Any]:
+        """This rank's figures (what the metrics file holds)."""
+        metrics = self.runtime.metrics()
+        movement, control = metrics["movement"], metrics["control"]
+        counters = compile_counters()
+        return {
+            "rank": self.ep_rank,
+            "ep_size": self.ep_size,
+            "steps": self.steps,
+            "async": metrics["async"],
+            "policy": self.settings.control.policy,
+            "windows_closed": control["windows_closed"],
+            "rearrangements_started": movement["rearrangements_started"],
+            "rearrangements": movement["rearrangements_completed"],
+            "aborted": movement["rearrangements_aborted"],
+            "noop": movement["rearrangements_noop"],
+            "plans_recorded": movement["plans_recorded"],
+            "layers_committed": movement["layers_committed"],
+            "bytes_received": movement["bytes_received"],
+            "balancedness": movement["last_window_balancedness"],
+            "hotness": movement["last_hotness"],
+            "placement_version": control["placement_version"],
+            "placement_digest": placement_digest(self.state.committed_snapshot()[1]),
+            "last_error": movement["last_error"],
+            "balancedness_windows": movement["window_balancedness"],
+            "compile": {**counters, "unique_graphs_at_first_step": self._graphs_at_first_step},
+            "step_ms": {name: _summary(times) for name, times in self._step_seconds.items()},
+            "closed": self.closed,
+        }
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.runtime.close()
+        self.closed = True
+        if self._metrics is not None:
+            self._metrics.update(self.snapshot(), force=True)
+
+
+def _summary(seconds) -> dict[str, float | int]:
+    """Count, median and 99th percentile of step times, in milliseconds."""
+    ordered = sorted(seconds)
+    if not ordered:
+        return {"count": 0}
+    return {
+        "count": len(ordered),
+        "p50": 1e3 * ordered[len(ordered) // 2],
+        "p99": 1e3 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
+    }
+
+
+def _has_prefill(runner: Any) -> bool:
+    """Whether the scheduled batch holds any request still in its prompt."""
+    for request_id in runner.input_batch.req_ids:
+        request = runner.requests.get(request_id)
+        if request is not None and request.num_computed_tokens < request.num_prompt_tokens:
+            return True
+    return False
+
+
+def _moe_model(runner: Any):
+    from vllm.model_executor.models.interfaces import get_mixture_of_experts_model
+
+    model = get_mixture_of_experts_model(runner.model)
+    if model is None:
+        raise UnsupportedVllmModel(
+            f"enable_eplb is set but {type(runner.model).__name__} is not a mixture-of-experts "
+            "model vLLM can rebalance (MixtureOfExperts)"
+        )
+    return model
+
+
+def _weight_views(model) -> list:
+    """The unquantized CPU kernels' live expert tensors, one view per MoE layer.
+
+    vLLM's CPU backend repacks each expert's weights into a blocked layout after loading; the
+    packing is per expert and keeps the ``[slots, ...]`` shape, so a slot's bytes are exactly one
+    expert and moving them moves the expert.
+    """
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    views = []
+    for index, layer in enumerate(model.moe_layers):
+        experts = layer.routed_experts
+        kernel = getattr(getattr(experts.quant_method, "moe_kernel", None), "fused_experts", None)
+        if not isinstance(kernel, CPUUnquantizedExperts):
+            raise UnsupportedVllmModel(
+                f"MoE layer {index} runs {type(kernel).__name__}; eplb-graph moves the weights of "
+                "vLLM's unquantized CPU experts only (bf16/fp32)"
+            )
+        tensors = {"w13": experts.w13_weight.data, "w2": experts.w2_weight.data}
+        for name in ("w13_bias", "w2_bias"):
+            bias = getattr(experts, name, None)
+            if bias is not None:
+                tensors[name] = bias.data
+        views.append(make_expert_view("unquantized", tensors))
+    return views
+
+
+def attach(runner: Any) -> VllmEplbAdapter:
+    """Build this rank's EPLB after ``load_model`` and hand it to vLLM's runner."""
+    from vllm.distributed.parallel_state import get_ep_group
+
+    model = _moe_model(runner)
+    settings = eplb_settings(
+        runner.vllm_config,
+        num_layers=model.num_moe_layers,
+        num_expert_groups=max(1, int(getattr(model, "num_expert_groups", 1) or 1)),
+    )
+    assert settings is not None  # attach runs only with enable_eplb
+    group = get_ep_group()
+    ep_rank, ep_size = group.rank_in_group, group.world_size
+    # vLLM filled slot p of every layer with expert p (p < N), then p - N mod N: the default.
+    placement = Placement.default(
+        model.num_moe_layers, model.num_logical_experts, model.num_redundant_experts, ep_size
+    )
+    state = EplbState(placement, rank=ep_rank, offset_seed=0)
+    state.set_step_inputs_(0, False)  # the compile warm-up is a dummy run: record nothing
+    model.set_eplb_state(state.load, state.log2phy, state.replica_count)
+    for layer in model.moe_layers:
+        layer.eplb_state.should_record_tensor = state.record_enabled
+        layer.eplb_state.num_unpadded_tokens_tensors = [state.num_valid_tokens]
+    routing.bind_offset(state.offset)
+    views = _weight_views(model)
+    groups = GroupRing(GROUP_RING_SIZE, timeout_s=GROUP_TIMEOUT_S, ranks=list(group.ranks))
+    if settings.expert_map is not None:
+        _move_to(settings, state, views, groups, ep_rank, settings.expert_map)
+    runtime = EplbRuntime(
+        state,
+        views,
+        settings.control,
+        groups,
+        ep_rank,
+        use_async=settings.use_async,
+        movement=settings.movement,
+        record_map_path=settings.record_map_path,
+        record_load=ep_rank == 0,
+    )
+    adapter = VllmEplbAdapter(runner, runtime, settings, ep_rank, ep_size)
+    runner.eplb_state = adapter
+    runner._moe_model = model
+    if adapter._metrics is not None:
+        adapter._metrics.update(adapter.snapshot(), force=True)
+    logger.info(
+        "eplb-graph EPLB on EP rank %d/%d: %d MoE layers, %d experts + %d redundant, policy %s, %s",
+        ep_rank,
+        ep_size,
+        model.num_moe_layers,
+        model.num_logical_experts,
+        model.num_redundant_experts,
+        settings.control.policy,
+        "async" if settings.use_async else "sync",
+    )
+    return adapter
+
+
+def _move_to(settings, state, views, groups, ep_rank: int, target: Placement) -> None:
+    """Start from ``target``: move vLLM's load-time layout there before serving (every rank)."""
+    starter = EplbRuntime(
+        state, views, settings.control, groups, ep_rank, use_async=False, movement=settings.movement
+    )
+    try:
+        starter.rearrange_to(target.phy2log)
+    finally:
+        starter.close()
+    if not torch.equal(state.committed_snapshot()[1], target.phy2log):
+        raise RuntimeError(
+            f"eplb-graph could not move to the starting expert map: "
+            f"{starter.metrics()['movement']['last_error']}"
+        )

@@ -1,0 +1,202 @@
+"""vLLM's configuration objects -> eplb-graph's validated settings, at engine start and in workers.
+
+The same function runs twice with the same inputs: in the process that builds vLLM's config
+(so a bad setting fails ``LLM(...)`` / server start-up with a ``ConfigError`` naming the field),
+and in every worker when the model is loaded (where the layer count and expert groups are
+known). Validation is the project's own (``eplb_graph.integrations.settings``), fed from
+``ParallelConfig.enable_eplb``, ``ParallelConfig.eplb_config`` and ``additional_config``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from eplb_graph.control.planning import PolicyPlanner
+from eplb_graph.control.settings import ControlSettings
+from eplb_graph.integrations.settings import (
+    ConfigError,
+    EplbPath,
+    control_settings_from_v2,
+    resolve_eplb_config,
+)
+from eplb_graph.integrations.vllm.options import PREFIX, SECTION, PluginOptions
+from eplb_graph.movement.settings import MovementSettings
+from eplb_graph.placement import Placement
+
+#: vLLM ``EPLBConfig`` fields eplb-graph implements (everything but migration batching).
+_EPLB_CONFIG_FIELDS = (
+    "window_size",
+    "step_interval",
+    "num_redundant_experts",
+    "log_balancedness",
+    "log_balancedness_interval",
+    "use_async",
+    "policy",
+    "communicator",
+)
+
+
+@dataclass(frozen=True)
+class VllmEplbSettings:
+    """Everything one worker needs to run eplb-graph's EPLB under vLLM."""
+
+    control: ControlSettings
+    movement: MovementSettings
+    use_async: bool
+    num_redundant: int
+    expert_map: Placement | None  # start from this placement (moved to at start-up)
+    record_map_path: str | None
+    metrics_path: str | None
+
+
+def plugin_section(vllm_config: Any) -> Any:
+    return (vllm_config.additional_config or {}).get(SECTION)
+
+
+def eplb_settings(
+    vllm_config: Any, *, num_layers: int | None = None, num_expert_groups: int = 1
+) -> VllmEplbSettings | None:
+    """Validate every EPLB setting of ``vllm_config``; ``None`` when EPLB is off.
+
+    ``num_layers`` (known in workers) also checks an expert map's layer count.
+
+    Raises:
+        ConfigError: naming the first invalid setting and how to fix it.
+    """
+    parallel = vllm_config.parallel_config
+    section = plugin_section(vllm_config)
+    options = PluginOptions.from_section(section)
+    if not parallel.enable_eplb:
+        if section is not None:
+            raise ConfigError(
+                PREFIX, "is set but EPLB is off; add --enable-eplb (enable_eplb=True) or drop it"
+            )
+        return None
+    _check_supported_modes(vllm_config)
+    eplb_config = parallel.eplb_config
+    mapping = {name: getattr(eplb_config, name) for name in _EPLB_CONFIG_FIELDS}
+    additional = dict(vllm_config.additional_config or {})
+    additional.pop(SECTION, None)
+    resolved = resolve_eplb_config(
+        enable_eplb=True,
+        eplb_config=mapping,
+        additional_config=additional,
+        num_experts=vllm_config.model_config.get_num_experts(),
+        ep_size=parallel.tensor_parallel_size * parallel.data_parallel_size,
+    )
+    if resolved.path is not EplbPath.V2 or resolved.v2 is None:  # enable_eplb: V2 or raised
+        raise ConfigError("enable_eplb", f"resolved to the {resolved.path.value} path")
+    control = control_settings_from_v2(resolved.v2, num_groups=num_expert_groups)
+    control = _with_options(control, options, additional)
+    expert_map = _expert_map(options, resolved, num_layers)
+    _check_policy_options(control, resolved)
+    return VllmEplbSettings(
+        control=control,
+        movement=MovementSettings(
+            layers_per_step=options.layers_per_step,
+            commit_margin_steps=options.commit_margin_steps,
+        ),
+        use_async=resolved.v2.use_async,
+        num_redundant=resolved.num_redundant_experts,
+        expert_map=expert_map,
+        record_map_path=options.record_map_path,
+        metrics_path=options.metrics_path,
+    )
+
+
+def _check_supported_modes(vllm_config: Any) -> None:
+    """Modes the plugin does not implement fail here, at engine start (never degrade later)."""
+    parallel = vllm_config.parallel_config
+    if parallel.data_parallel_size != 1:
+        raise ConfigError(
+            "data_parallel_size",
+            f"eplb-graph's vLLM plugin supports data_parallel_size=1 (got "
+            f"{parallel.data_parallel_size}); vLLM's CPU backend has no data-parallel expert "
+            "parallelism (its CPU communicator lacks all_gatherv / reduce_scatterv)",
+        )
+    if parallel.enable_dbo or parallel.ubatch_size > 1:
+        raise ConfigError(
+            "enable_dbo",
+            "micro-batching (DBO) is not supported with eplb-graph's EPLB; turn it off",
+        )
+    if vllm_config.speculative_config is not None:
+        raise ConfigError(
+            "speculative_config",
+            "speculative decoding is not supported with eplb-graph's EPLB (a drafter would route "
+            "through the same EPLB tables); turn one of them off",
+        )
+    if parallel.eplb_config.enable_migration_batching:
+        raise ConfigError(
+            "eplb_config.enable_migration_batching",
+            "is vLLM's own migration scheduler; eplb-graph batches transfers itself "
+            "(MovementSettings.max_batch_ops): leave it false",
+        )
+
+
+def _with_options(
+    control: ControlSettings, options: PluginOptions, additional: dict
+) -> ControlSettings:
+    changes: dict[str, Any] = {"time_samples": options.time_samples}
+    if options.policy is not None:
+        changes["policy"] = options.policy
+        changes["policy_options"] = dict(options.policy_options or {})
+    if options.load_collection_phase is not None:
+        nested = additional.get("eplb_config") or {}
+        if "load_collection_phase" in nested:
+            raise ConfigError(
+                f"{PREFIX}.load_collection_phase",
+                "also given as additional_config.eplb_config.load_collection_phase; keep one",
+            )
+        changes["load_collection_phase"] = options.load_collection_phase
+    return dataclasses.replace(control, **changes)
+
+
+def _expert_map(options: PluginOptions, resolved, num_layers: int | None) -> Placement | None:
+    """The starting map, validated against the model (N, EP size, redundancy, layers)."""
+    if options.expert_map_path is None:
+        return None
+    field = f"{PREFIX}.expert_map_path"
+    from eplb_graph.expert_map import ExpertMapError
+
+    try:
+        placement = Placement.load_expert_map(
+            options.expert_map_path, num_logical=resolved.num_experts
+        )
+    except ExpertMapError as error:
+        raise ConfigError(field, f"invalid expert map: {error}") from None
+    except OSError as error:
+        raise ConfigError(field, f"cannot read the map: {error}") from None
+    expected = (resolved.ep_size, resolved.num_physical_experts)
+    if (placement.num_ranks, placement.num_slots) != expected:
+        raise ConfigError(
+            field,
+            f"the map has {placement.num_ranks} devices x {placement.slots_per_rank} slots, the "
+            f"engine {resolved.ep_size} EP ranks x "
+            f"{resolved.num_physical_experts // resolved.ep_size} slots "
+            f"({resolved.num_experts} experts + {resolved.num_redundant_experts} redundant); use "
+            "a map of this shape or change eplb_config.num_redundant_experts",
+        )
+    if num_layers is not None and placement.num_layers != num_layers:
+        raise ConfigError(
+            field,
+            f"the map has {placement.num_layers} MoE layers, the model {num_layers}; use a map "
+            "recorded for this model",
+        )
+    return placement
+
+
+def _check_policy_options(control: ControlSettings, resolved) -> None:
+    """Policy options are checked against the policy's signature now, not at the first window."""
+    try:
+        PolicyPlanner(
+            control.policy,
+            resolved.num_physical_experts,
+            control.num_groups,
+            control.num_nodes,
+            resolved.ep_size,
+            dict(control.policy_options),
+        )
+    except TypeError as error:
+        raise ConfigError(f"{PREFIX}.policy_options", str(error)) from None

@@ -1,0 +1,259 @@
+"""The vLLM plugin without an engine: its settings, checks, CPU expert-parallel fix and metrics.
+
+The tests that build vLLM configuration objects need the ``vllm`` extra (``pip install -e
+'.[vllm]'``; CI installs it) and skip with that reason without it. Real engines are in
+``test_vllm_engine.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+import torch
+
+from eplb_graph import ConfigError
+from eplb_graph.integrations.vllm.compat import PatchTarget
+from eplb_graph.integrations.vllm.expert_parallel import to_local
+from eplb_graph.integrations.vllm.metrics import (
+    MetricsFileCollector,
+    RankMetricsFile,
+    placement_digest,
+)
+from eplb_graph.integrations.vllm.options import PREFIX, PluginOptions
+
+# -- options (no vLLM needed) ---------------------------------------------------------------------
+
+
+def test_an_empty_section_takes_every_default():
+    options = PluginOptions.from_section(None)
+    assert (options.policy, options.layers_per_step, options.commit_margin_steps) == (None, 1, 8)
+
+
+def test_unknown_keys_are_named_with_a_suggestion():
+    with pytest.raises(
+        ConfigError, match=r"eplb_graph\.polcy: unknown key \(did you mean 'policy'"
+    ):
+        PluginOptions.from_section({"polcy": "default"})
+
+
+@pytest.mark.parametrize(
+    ("section", "field", "reason"),
+    [
+        ({"policy": "fastest"}, "policy", "unknown policy 'fastest'"),
+        ({"layers_per_step": 0}, "layers_per_step", "must be >= 1"),
+        ({"layers_per_step": True}, "layers_per_step", "expected an integer"),
+        ({"commit_margin_steps": "8"}, "commit_margin_steps", "expected an integer"),
+        ({"load_collection_phase": "chunked"}, "load_collection_phase", "must be one of"),
+        ({"policy_options": {"budget": 0.1}}, "policy_options", "without a policy"),
+        ({"policy": "churn_aware", "policy_options": [1]}, "policy_options", "JSON object"),
+        ({"expert_map_path": "/nonexistent/map.json"}, "expert_map_path", "does not exist"),
+        ({"record_map_path": "/nonexistent/dir/map.json"}, "record_map_path", "does not exist"),
+        ({"metrics_path": "/nonexistent/dir/metrics"}, "metrics_path", "does not exist"),
+    ],
+)
+def test_each_bad_value_names_its_field(section, field, reason):
+    with pytest.raises(ConfigError, match=reason) as info:
+        PluginOptions.from_section(section)
+    assert info.value.field == f"{PREFIX}.{field}"
+
+
+def test_a_starting_map_and_record_mode_exclude_each_other(tmp_path):
+    existing = tmp_path / "start.json"
+    existing.write_text("{}")
+    with pytest.raises(ConfigError, match="record mode never moves weights") as info:
+        PluginOptions.from_section(
+            {"expert_map_path": str(existing), "record_map_path": str(tmp_path / "r.json")}
+        )
+    assert info.value.field == f"{PREFIX}.record_map_path"
+
+
+def test_a_metrics_path_that_is_a_file_is_refused(tmp_path):
+    existing = tmp_path / "file"
+    existing.write_text("")
+    with pytest.raises(ConfigError, match="exists and is not a directory"):
+        PluginOptions.from_section({"metrics_path": str(existing)})
+
+
+# -- the CPU expert-parallel fix ------------------------------------------------------------------
+
+
+def test_physical_slots_become_local_rows_and_other_ranks_slots_weigh_nothing():
+    expert_map = torch.tensor([-1, -1, -1, 0, 1, 2], dtype=torch.int32)  # rank 1 of 2, 3 slots
+    ids = torch.tensor([[0, 3], [4, 5], [2, 1]], dtype=torch.int32)
+    weights = torch.tensor([[0.6, 0.4], [0.7, 0.3], [0.5, 0.5]])
+    local, kept = to_local(ids, weights, expert_map)
+    assert local.dtype == ids.dtype
+    assert local.tolist() == [[0, 0], [1, 2], [0, 0]]
+    assert torch.equal(kept, torch.tensor([[0.0, 0.4], [0.7, 0.3], [0.0, 0.0]]))
+
+
+def test_the_two_ranks_partial_outputs_sum_to_the_unsplit_output():
+    """What the combine relies on: each choice is weighted on exactly one rank."""
+    experts = torch.randn(6, 4)  # one "output vector" per physical slot
+    ids = torch.randint(0, 6, (5, 2))
+    weights = torch.rand(5, 2)
+    full = (weights.unsqueeze(-1) * experts[ids]).sum(dim=1)
+    partial = torch.zeros(5, 4)
+    for rank in range(2):
+        expert_map = torch.full((6,), -1)
+        expert_map[3 * rank : 3 * rank + 3] = torch.arange(3)
+        local, kept = to_local(ids, weights, expert_map)
+        rows = experts[3 * rank : 3 * rank + 3]
+        partial += (kept.unsqueeze(-1) * rows[local]).sum(dim=1)
+    assert torch.allclose(partial, full)
+
+
+# -- patch targets ---------------------------------------------------------------------------------
+
+
+def test_a_changed_signature_is_reported_by_name(monkeypatch):
+    module = types.ModuleType("fake_vllm_module")
+
+    def hook(topk_ids, load):  # one parameter fewer than expected
+        return topk_ids
+
+    module.hook = hook
+    monkeypatch.setitem(__import__("sys").modules, "fake_vllm_module", module)
+    target = PatchTarget("fake_vllm_module", "hook", ("topk_ids", "load", "offset"))
+    assert "has parameters ['topk_ids', 'load'], expected ['topk_ids', 'load', 'offset']" in (
+        target.problem() or ""
+    )
+    assert (
+        PatchTarget("fake_vllm_module", "missing", ())
+        .problem()
+        .startswith("fake_vllm_module.missing is missing")
+    )
+    assert PatchTarget("fake_vllm_module", "hook", ("topk_ids", "load")).problem() is None
+
+
+# -- metrics files ---------------------------------------------------------------------------------
+
+
+def test_the_digest_changes_exactly_when_the_placement_changes():
+    a = torch.tensor([[0, 1, 2, 3]])
+    assert placement_digest(a) == placement_digest(a.clone())
+    assert placement_digest(a) != placement_digest(torch.tensor([[0, 1, 3, 2]]))
+
+
+def test_a_rank_file_is_rewritten_only_when_progress_is_made(tmp_path):
+    writer = RankMetricsFile(str(tmp_path / "m"), 1)
+    document = {"rank": 1, "rearrangements": 0, "layers_committed": 0, "steps": 1}
+    assert writer.update(document)
+    assert not writer.update({**document, "steps": 2})  # no progress counter moved
+    assert writer.update({**document, "layers_committed": 1})
+    assert json.loads(writer.path.read_text())["layers_committed"] == 1
+    assert writer.path.name == "rank1.json"
+    assert [p.name for p in writer.path.parent.iterdir()] == ["rank1.json"]  # no temp left
+
+
+def test_prometheus_collector_exports_every_rank_file(tmp_path):
+    pytest.importorskip("prometheus_client", reason="prometheus_client comes with the vllm extra")
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    for rank, committed in ((0, 4), (1, 4)):
+        RankMetricsFile(str(tmp_path), rank).update(
+            {
+                "rank": rank,
+                "steps": 10,
+                "rearrangements": 2,
+                "aborted": 1,
+                "layers_committed": committed,
+                "bytes_received": 100,
+                "balancedness": 0.75,
+                "placement_version": committed,
+                "placement_digest": "abc",
+            }
+        )
+    (tmp_path / "rank2.json").write_text("{not json")  # a torn file is skipped, not fatal
+    registry = CollectorRegistry()
+    registry.register(MetricsFileCollector(str(tmp_path)))
+    text = generate_latest(registry).decode()
+    assert 'eplb_graph_layers_committed_total{rank="1"} 4.0' in text
+    assert 'eplb_graph_rearrangements_aborted_total{rank="0"} 1.0' in text
+    assert 'eplb_graph_balancedness{rank="0"} 0.75' in text
+    assert 'eplb_graph_placement_info{digest="abc",rank="1"} 1.0' in text
+
+
+# -- against vLLM's own configuration objects ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine_args(tmp_path_factory):
+    """``EngineArgs`` for the tiny model with this plugin registered (no engine is started)."""
+    pytest.importorskip("vllm", reason="the vllm extra is not installed: pip install -e '.[vllm]'")
+    import eplb_graph.integrations.vllm as plugin
+    from tests.vllm_model import make_tiny_qwen3_moe
+
+    plugin.register()
+    model = make_tiny_qwen3_moe(tmp_path_factory.mktemp("model"))
+    from vllm.engine.arg_utils import EngineArgs
+
+    def make(**overrides):
+        settings = dict(
+            model=str(model),
+            skip_tokenizer_init=True,
+            dtype="float32",
+            max_model_len=128,
+            tensor_parallel_size=2,
+            enable_expert_parallel=True,
+            enable_eplb=True,
+            eplb_config={"window_size": 4, "step_interval": 8, "num_redundant_experts": 2},
+        )
+        settings.update(overrides)
+        return EngineArgs(**settings)
+
+    return make
+
+
+@pytest.mark.vllm
+def test_vllm_accepts_eplb_on_cpu_with_the_plugin(engine_args):
+    from eplb_graph.integrations.vllm.settings import eplb_settings
+
+    config = engine_args(
+        additional_config={"eplb_graph": {"policy": "churn_aware", "layers_per_step": 2}}
+    ).create_engine_config()
+    assert config.parallel_config.enable_eplb
+    settings = eplb_settings(config, num_layers=2)
+    assert settings.control.policy == "churn_aware"
+    assert (settings.control.window_size, settings.control.step_interval) == (4, 8)
+    assert settings.movement.layers_per_step == 2
+    assert settings.num_redundant == 2 and settings.use_async
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize(
+    ("overrides", "field", "reason"),
+    [
+        ({"additional_config": {"eplb_graph": {"polcy": "x"}}}, f"{PREFIX}.polcy", "did you mean"),
+        (
+            {"eplb_config": {"window_size": 4, "step_interval": 8, "num_redundant_experts": 1}},
+            "eplb_config.num_redundant_experts",
+            "not divisible by ep_size=2",
+        ),
+        (
+            {
+                "additional_config": {
+                    "eplb_graph": {"policy": "default", "policy_options": {"x": 1}}
+                }
+            },
+            f"{PREFIX}.policy_options",
+            "has no option",
+        ),
+        (
+            {"enable_eplb": False, "eplb_config": {}, "additional_config": {"eplb_graph": {}}},
+            PREFIX,
+            "EPLB is off",
+        ),
+        (
+            {"additional_config": {"dynamic_eplb": True}},
+            "additional_config.dynamic_eplb",
+            "legacy",
+        ),
+    ],
+)
+def test_bad_settings_fail_when_vllm_builds_its_config(engine_args, overrides, field, reason):
+    with pytest.raises(ConfigError, match=reason) as info:
+        engine_args(**overrides).create_engine_config()
+    assert info.value.field == field

@@ -1,0 +1,60 @@
+"""A tiny Qwen3-MoE checkpoint for real vLLM engine tests, written by the tests themselves.
+
+Random weights (seeded) saved with transformers, about 2.5 MB in float32: hidden 128, 2 layers,
+4 heads / 2 KV heads of 32, 8 experts, top-2, expert intermediate 64, vocabulary 512. vLLM's
+CPU attention supports head size 32. Weights are drawn larger than transformers' default init
+so routing and logits are not degenerate.
+
+``hot_experts`` skews the router: their gate rows are scaled up and every other row down, so
+most tokens pick hot experts. With the default placement and 2 EP ranks, experts 2, 3 and 4 all
+sit on rank 0 with no replica, the worst case EPLB should fix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+HOT_EXPERTS = (2, 3, 4)
+NUM_EXPERTS = 8
+
+
+def make_tiny_qwen3_moe(
+    path: str | Path, *, hot_experts: tuple[int, ...] = HOT_EXPERTS, seed: int = 0
+) -> Path:
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=NUM_EXPERTS,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(config)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() >= 2:
+                parameter.normal_(0, 0.1)
+        if hot_experts:
+            scale = torch.full((NUM_EXPERTS, 1), 0.25)
+            scale[list(hot_experts)] = 4.0
+            for layer in model.model.layers:
+                layer.mlp.gate.weight.mul_(scale)
+    path = Path(path)
+    model.save_pretrained(path)
+    return path
