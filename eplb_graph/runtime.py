@@ -200,6 +200,21 @@ class EplbRuntime:
         self.scheduler.mark_busy()
         self.worker.submit(job)
 
+    def progress(self) -> tuple[int, ...]:
+        """Counters that move only when EPLB does something (a window closes, a rearrangement
+        starts, commits a layer or ends): a cheap test of whether :meth:`metrics` changed."""
+        pipeline = self.pipeline.stats
+        return (
+            self.controller.windows_closed,
+            pipeline.rearrangements_started,
+            pipeline.rearrangements_completed,
+            pipeline.rearrangements_aborted,
+            pipeline.rearrangements_noop,
+            pipeline.plans_recorded,
+            pipeline.record_failures,
+            self.installer.stats.layers_committed,
+        )
+
     def metrics(self) -> dict:
         """Structured snapshot for monitoring (plain values)."""
         pipeline, installed = self.pipeline.stats, self.installer.stats

@@ -1,8 +1,7 @@
 """Every exception class the package defines derives from ``eplb_graph.EplbError``.
 
-Walks every importable module of the package (optional integrations that need a missing host
-package are skipped by name), so a new error class added anywhere without the common base fails
-here.
+Walks every module of the package (the vLLM integration too: it imports vLLM only when vLLM
+loads it), so a new error class added anywhere without the common base fails here.
 """
 
 from __future__ import annotations
@@ -14,13 +13,10 @@ import pkgutil
 import eplb_graph
 from eplb_graph.errors import EplbError
 
-# Modules that import an optional host framework at import time.
-_OPTIONAL = ("eplb_graph.integrations.vllm",)
-
 
 def _package_modules():
     for info in pkgutil.walk_packages(eplb_graph.__path__, prefix="eplb_graph."):
-        if info.name.startswith(_OPTIONAL) or info.name.endswith("__main__"):
+        if info.name.endswith("__main__"):
             continue
         yield importlib.import_module(info.name)
 

@@ -6,22 +6,28 @@ which the default placement puts on one rank) is served by:
 - ``tp1``: one rank, no expert parallelism: the reference tokens;
 - ``fixed``: 2 EP ranks with 2 redundant slots and eplb-graph in record mode (plans are written
   to an expert map, never applied): the same layout with EPLB off, measured;
-- ``async_compiled``: the same layout, EPLB on, asynchronous, compiled with ``torch.compile``;
-- ``sync_eager``: the same layout, EPLB on, synchronous, eager.
+- ``async_compiled``: the offline example of docs/vllm.md, run as written: the same layout,
+  EPLB on, asynchronous, compiled with ``torch.compile``;
+- ``sync_eager``: the same layout, EPLB on, synchronous, eager;
+- the OpenAI-compatible server command of docs/vllm.md, run as written (synchronous, eager).
 
-Each engine runs in its own process (``tests/vllm_scenario.py``), once per test session, and
-writes its tokens; its workers write the per-rank metrics files the tests read. The tests need
-the ``vllm`` extra (``pip install -e '.[vllm]'``; CI installs it) and skip with that reason
-without it.
+Each engine runs in its own process (``tests/vllm_scenario.py``), once per test module, one at
+a time, and writes its tokens; its workers write the per-rank metrics files the tests read. The
+tests need the ``vllm`` extra (``pip install -e '.[vllm]'``; CI installs it) and skip with that
+reason without it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -33,9 +39,10 @@ pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIO = ROOT / "tests" / "vllm_scenario.py"
 PROMPTS = [[(7 * i + 3 * j) % 500 + 3 for j in range(5 + 3 * i)] for i in range(4)]
-MAX_TOKENS = 40
-ROUNDS = 2
+MAX_TOKENS = 64  # the docs' offline example generates 64 tokens
+ROUNDS = 1
 ENGINE_TIMEOUT_S = 900
+DOCS = ROOT / "docs" / "vllm.md"
 EPLB = {"window_size": 4, "step_interval": 8, "num_redundant_experts": 2}
 
 
@@ -57,26 +64,35 @@ def engine_environment(root: Path, tensor_parallel_size: int) -> dict[str, str]:
     return env
 
 
-def run_engine(root: Path, name: str, model: Path, llm: dict) -> dict:
+def docs_block(language: str, heading: str) -> str:
+    """The first ``language`` code block under ``heading`` in docs/vllm.md, as written."""
+    text = DOCS.read_text()
+    section = text[text.index(heading) :]
+    return re.search(rf"```{language}\n(.*?)```", section, re.S).group(1)
+
+
+def run_engine(root: Path, name: str, model: Path, llm: dict | None, snippet: str = "") -> dict:
     """Start one engine in a fresh process, generate, and return what it wrote."""
-    spec = {
-        "model": str(model),
-        "llm": {
-            "skip_tokenizer_init": True,
-            "dtype": "float32",
-            "max_model_len": 128,
-            "max_num_seqs": 4,
-            "max_num_batched_tokens": 128,
-            "seed": 0,
-            **llm,
-        },
-        "prompts": PROMPTS,
-        "max_tokens": MAX_TOKENS,
-        "rounds": ROUNDS,
-    }
+    spec: dict = {"model": str(model), "prompts": PROMPTS}
+    if snippet:
+        spec.update(snippet=snippet, metrics=str(root / f"metrics-{name}"))
+    else:
+        spec.update(
+            llm={
+                "skip_tokenizer_init": True,
+                "dtype": "float32",
+                "max_model_len": 128,
+                "max_num_seqs": 4,
+                "max_num_batched_tokens": 128,
+                "seed": 0,
+                **(llm or {}),
+            },
+            max_tokens=MAX_TOKENS,
+            rounds=ROUNDS,
+        )
     spec_path, out_path, log_path = (root / f"{name}.{ext}" for ext in ("spec", "out", "log"))
     spec_path.write_text(json.dumps(spec))
-    env = engine_environment(root / "cache", llm.get("tensor_parallel_size", 1))
+    env = engine_environment(root / "cache", 2 if snippet else llm.get("tensor_parallel_size", 1))
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             [sys.executable, str(SCENARIO), str(spec_path), str(out_path)],
@@ -106,25 +122,28 @@ def metrics(directory: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     """Every engine of the module, started once, one after another (2 cores: never two)."""
-    from tests.vllm_model import make_tiny_qwen3_moe
+    from eplb_graph.models.tiny_qwen3_moe import write_tiny_qwen3_moe
 
     root = tmp_path_factory.mktemp("vllm")
-    model = make_tiny_qwen3_moe(root / "model")
+    model = write_tiny_qwen3_moe(root / "model")
     expert_parallel = {"tensor_parallel_size": 2, "enable_expert_parallel": True}
-    results: dict[str, dict] = {}
     cache: dict[str, dict] = {}
 
     def start(name: str) -> dict:
         if name in cache:
             return cache[name]
+        if name == "async_compiled":  # the docs' offline example, as written
+            result = run_engine(root, name, model, None, docs_block("python", "## Offline"))
+            result["metrics"] = metrics(root / f"metrics-{name}")
+            result["root"] = root
+            cache[name] = result
+            return result
         section = {"metrics_path": str(root / f"metrics-{name}")}
         if name == "tp1":
             llm = {"enforce_eager": True, "tensor_parallel_size": 1}
         elif name == "fixed":
             section["record_map_path"] = str(root / "recorded-map.json")
             llm = {**expert_parallel, "enforce_eager": True, "enable_eplb": True}
-        elif name == "async_compiled":
-            llm = {**expert_parallel, "enforce_eager": False, "enable_eplb": True}
         else:
             assert name == "sync_eager"
             llm = {**expert_parallel, "enforce_eager": True, "enable_eplb": True}
@@ -138,7 +157,8 @@ def engines(tmp_path_factory):
         cache[name] = result
         return result
 
-    results["start"] = start
+    start.root = root
+    start.model = model
     return start
 
 
@@ -159,6 +179,7 @@ def test_at_least_three_rearrangements_commit_and_change_the_placement(engines, 
         assert rank["layers_committed"] >= 3 and rank["placement_version"] >= 3, rank
         assert rank["placement_digest"] != initial
         assert rank["async"] == (name == "async_compiled")
+        assert rank["policy"] == "default"
     # Every rank committed the same placement.
     assert len({rank["placement_digest"] for rank in per_rank}) == 1
     assert len({rank["layers_committed"] for rank in per_rank}) == 1
@@ -203,3 +224,88 @@ def test_metrics_files_carry_the_documented_figures(engines):
         assert isinstance(rank["placement_digest"], str) and len(rank["placement_digest"]) == 16
         assert rank["steps"] >= MAX_TOKENS
         assert 0.0 < rank["balancedness"] <= 1.0
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _get(url: str, timeout: float = 5.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return response.read().decode()
+
+
+def _complete(port: int, prompt: list[int], max_tokens: int) -> list[int]:
+    body = json.dumps(
+        {
+            "model": os.environ.get("EPLB_TEST_SERVED_MODEL", ""),
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+    ).encode()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())["choices"][0]["token_ids"]
+
+
+def test_the_docs_server_command_serves_with_eplb_and_exports_prometheus_metrics(engines):
+    """The docs' command, as written (model, port and metrics folder substituted): tokens equal
+    one rank's, ``--additional-config`` reaches the workers, ``/metrics`` carries eplb-graph's."""
+    reference = engines("tp1")["tokens"][0]
+    root, port = engines.root, _free_port()
+    metrics_dir = root / "server-metrics"
+    command = docs_block("bash", "## Serving")
+    command = command.replace('"$MODEL"', str(engines.model)).replace("8000", str(port))
+    command = command.replace('"metrics_path": "eplb-metrics"', f'"metrics_path": "{metrics_dir}"')
+    env = engine_environment(root / "cache", 2)
+    log_path = root / "server.log"
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(
+            ["bash", "-c", f"exec {command.replace(chr(92) + chr(10), ' ')}"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + ENGINE_TIMEOUT_S
+        while True:
+            assert server.poll() is None, log_path.read_text()[-4000:]
+            try:
+                _get(f"http://127.0.0.1:{port}/health")
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the server did not start in time"
+                time.sleep(2)
+        served_model = json.loads(_get(f"http://127.0.0.1:{port}/v1/models"))["data"][0]["id"]
+        os.environ["EPLB_TEST_SERVED_MODEL"] = served_model
+        tokens = [_complete(port, prompt, 48) for prompt in PROMPTS for _ in range(2)]
+        assert tokens[::2] == [t[:48] for t in reference]
+        assert tokens[1::2] == tokens[::2]
+        text = _get(f"http://127.0.0.1:{port}/metrics")
+    finally:
+        os.environ.pop("EPLB_TEST_SERVED_MODEL", None)
+        os.killpg(server.pid, signal.SIGINT)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+    committed = re.findall(r'^eplb_graph_layers_committed_total\{rank="(\d)"\} (\S+)$', text, re.M)
+    assert sorted(rank for rank, _ in committed) == ["0", "1"], text[-2000:]
+    assert all(float(value) >= 3 for _, value in committed)
+    assert re.search(r'^eplb_graph_balancedness\{rank="0"\} 0\.\d+', text, re.M)
+    assert re.search(
+        r'^eplb_graph_placement_info\{digest="[0-9a-f]{16}",rank="1"\} 1\.0', text, re.M
+    )
+    for rank in metrics(metrics_dir):
+        assert rank["async"] is False and rank["rearrangements"] >= 3

@@ -139,12 +139,21 @@ def test_the_digest_changes_exactly_when_the_placement_changes():
 
 def test_a_rank_file_is_rewritten_only_when_progress_is_made(tmp_path):
     writer = RankMetricsFile(str(tmp_path / "m"), 1)
-    document = {"rank": 1, "rearrangements": 0, "layers_committed": 0, "steps": 1}
-    assert writer.update(document)
-    assert not writer.update({**document, "steps": 2})  # no progress counter moved
-    assert writer.update({**document, "layers_committed": 1})
+    built = []
+
+    def document(committed):
+        def build():
+            built.append(committed)
+            return {"rank": 1, "layers_committed": committed}
+
+        return build
+
+    assert writer.update((0, 0), document(0))
+    assert not writer.update((0, 0), document(0))  # no counter moved: not even built
+    assert writer.update((0, 1), document(1))
+    assert writer.update((0, 1), document(1), force=True)
+    assert built == [0, 1, 1]
     assert json.loads(writer.path.read_text())["layers_committed"] == 1
-    assert writer.path.name == "rank1.json"
     assert [p.name for p in writer.path.parent.iterdir()] == ["rank1.json"]  # no temp left
 
 
@@ -154,7 +163,8 @@ def test_prometheus_collector_exports_every_rank_file(tmp_path):
 
     for rank, committed in ((0, 4), (1, 4)):
         RankMetricsFile(str(tmp_path), rank).update(
-            {
+            (committed,),
+            lambda rank=rank, committed=committed: {
                 "rank": rank,
                 "steps": 10,
                 "rearrangements": 2,
@@ -164,7 +174,7 @@ def test_prometheus_collector_exports_every_rank_file(tmp_path):
                 "balancedness": 0.75,
                 "placement_version": committed,
                 "placement_digest": "abc",
-            }
+            },
         )
     (tmp_path / "rank2.json").write_text("{not json")  # a torn file is skipped, not fatal
     registry = CollectorRegistry()
@@ -184,10 +194,10 @@ def engine_args(tmp_path_factory):
     """``EngineArgs`` for the tiny model with this plugin registered (no engine is started)."""
     pytest.importorskip("vllm", reason="the vllm extra is not installed: pip install -e '.[vllm]'")
     import eplb_graph.integrations.vllm as plugin
-    from tests.vllm_model import make_tiny_qwen3_moe
+    from eplb_graph.models.tiny_qwen3_moe import write_tiny_qwen3_moe
 
     plugin.register()
-    model = make_tiny_qwen3_moe(tmp_path_factory.mktemp("model"))
+    model = write_tiny_qwen3_moe(tmp_path_factory.mktemp("model"))
     from vllm.engine.arg_utils import EngineArgs
 
     def make(**overrides):
@@ -257,3 +267,28 @@ def test_bad_settings_fail_when_vllm_builds_its_config(engine_args, overrides, f
     with pytest.raises(ConfigError, match=reason) as info:
         engine_args(**overrides).create_engine_config()
     assert info.value.field == field
+
+
+def test_the_background_writer_writes_off_the_calling_thread_and_flushes_at_close(tmp_path):
+    import threading
+    import time
+
+    writers = []
+
+    def document():
+        writers.append(threading.current_thread().name)
+        return {"rank": 0, "layers_committed": len(writers)}
+
+    file = RankMetricsFile(str(tmp_path), 0)
+    from eplb_graph.integrations.vllm.metrics import BackgroundWriter
+
+    writer = BackgroundWriter(file, document)
+    writer.notify((1,))
+    writer.notify((1,))  # unchanged progress: nothing to do
+    deadline = time.monotonic() + 10
+    while not file.path.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert writers == ["eplb-metrics"]
+    writer.close((2,))
+    assert writers[-1] == threading.current_thread().name  # the final write is synchronous
+    assert json.loads(file.path.read_text())["layers_committed"] == 2

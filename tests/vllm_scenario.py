@@ -1,12 +1,14 @@
 """Run one real vLLM engine scenario in a fresh process and write what the tests assert on.
 
-``python tests/vllm_scenario.py SPEC.json OUT.json``: SPEC holds the model folder, the ``LLM``
-keyword arguments, the prompts and the number of generate rounds. OUT receives the greedy tokens
-of every round and how long the engine took to start. The metrics files (if the spec asks for
-them) are written by the engine's workers themselves.
+``python tests/vllm_scenario.py SPEC.json OUT.json``. SPEC names the model folder, the prompts
+and either the ``LLM`` keyword arguments (``"llm"``) or a code block to run (``"snippet"``, e.g.
+the offline example of docs/vllm.md, run with ``MODEL``, ``PROMPTS`` and ``METRICS`` defined and
+expected to leave ``outputs`` behind). OUT receives the greedy tokens and the engine start time;
+the engine's workers write the metrics files themselves.
 
 A separate process per engine keeps vLLM's process-wide state (its plugins, environment and
-spawned workers) out of the test process, and lets the test kill a hung engine.
+spawned workers) out of the test process, and lets the test kill a hung engine. vLLM's CPU
+workers are spawned processes that import this module: everything runs under the main guard.
 """
 
 from __future__ import annotations
@@ -19,19 +21,25 @@ import time
 def main(spec_path: str, out_path: str) -> None:
     with open(spec_path) as handle:
         spec = json.load(handle)
-    from vllm import LLM, SamplingParams
-
-    started = time.perf_counter()
-    llm = LLM(model=spec["model"], **spec["llm"])
-    engine_seconds = time.perf_counter() - started
-    sampling = SamplingParams(
-        max_tokens=spec["max_tokens"], temperature=0, detokenize=False, ignore_eos=True
-    )
     prompts = [{"prompt_token_ids": prompt} for prompt in spec["prompts"]]
-    rounds = []
-    for _ in range(spec.get("rounds", 1)):
-        outputs = llm.generate(prompts, sampling, use_tqdm=False)
-        rounds.append([list(output.outputs[0].token_ids) for output in outputs])
+    started = time.perf_counter()
+    if "snippet" in spec:
+        namespace = {"MODEL": spec["model"], "PROMPTS": prompts, "METRICS": spec["metrics"]}
+        exec(compile(spec["snippet"], "docs/vllm.md", "exec"), namespace)
+        rounds = [[list(output.outputs[0].token_ids) for output in namespace["outputs"]]]
+        engine_seconds = None
+    else:
+        from vllm import LLM, SamplingParams
+
+        llm = LLM(model=spec["model"], **spec["llm"])
+        engine_seconds = time.perf_counter() - started
+        sampling = SamplingParams(
+            max_tokens=spec["max_tokens"], temperature=0, detokenize=False, ignore_eos=True
+        )
+        rounds = []
+        for _ in range(spec.get("rounds", 1)):
+            outputs = llm.generate(prompts, sampling, use_tqdm=False)
+            rounds.append([list(output.outputs[0].token_ids) for output in outputs])
     with open(out_path, "w") as handle:
         json.dump({"tokens": rounds, "engine_seconds": engine_seconds}, handle)
 

@@ -3,7 +3,9 @@
 Each worker keeps ``<metrics_path>/rank<r>.json`` current: it is rewritten (temp file + rename,
 so a reader never sees half a file) when a rearrangement starts, commits a layer or ends, when a
 window closes, and at shutdown. Offline engines with expert parallelism are torn down by a
-force-kill after a grace period, so "at shutdown" alone would lose the figures.
+force-kill after a grace period, so "at shutdown" alone would lose the figures. The writes
+happen on a thread of their own (:class:`BackgroundWriter`): building and writing the document
+costs about a millisecond, which the serving step must not pay.
 
 Under an OpenAI-compatible server, :class:`MetricsFileCollector` (registered in the API-server
 process, which serves ``/metrics``) re-reads the files at every scrape and exports them as
@@ -17,7 +19,9 @@ import json
 import logging
 import os
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -67,32 +71,71 @@ class RankMetricsFile:
     def __init__(self, directory: str, rank: int) -> None:
         Path(directory).mkdir(parents=True, exist_ok=True)
         self.path = rank_file(directory, rank)
-        self._last_key: tuple | None = None
+        self._last_progress: tuple | None = None
 
-    def update(self, document: dict[str, Any], *, force: bool = False) -> bool:
-        """Rewrite the file if a counter that marks progress changed; returns whether it did."""
-        key = tuple(document.get(name) for name in _PROGRESS_KEYS)
-        if not force and key == self._last_key:
+    def update(
+        self, progress: tuple, document: Callable[[], dict[str, Any]], *, force: bool = False
+    ) -> bool:
+        """Rewrite the file if ``progress`` (cheap counters) moved since the last write; the
+        ``document`` is built only then. Returns whether the file was written."""
+        if not force and progress == self._last_progress:
             return False
-        document = {**document, "updated_unix_s": time.time()}
+        content = {**document(), "updated_unix_s": time.time()}
         try:
-            write_atomically(self.path, document)
+            write_atomically(self.path, content)
         except OSError as error:  # monitoring must never take serving down
             logger.warning("eplb-graph: cannot write metrics to %s: %s", self.path, error)
             return False
-        self._last_key = key
+        self._last_progress = progress
         return True
 
 
-_PROGRESS_KEYS = (
-    "rearrangements_started",
-    "rearrangements",
-    "aborted",
-    "noop",
-    "layers_committed",
-    "windows_closed",
-    "closed",
-)
+class BackgroundWriter:
+    """Rewrites a :class:`RankMetricsFile` on a daemon thread when told progress was made.
+
+    The serving thread only compares a tuple of counters and, on a change, wakes the writer;
+    the writer builds the document (plain values read from the runtime) and writes it.
+    """
+
+    def __init__(self, file: RankMetricsFile, document: Callable[[], dict[str, Any]]) -> None:
+        self.file = file
+        self.document = document
+        self._condition = threading.Condition()
+        self._pending: tuple | None = None
+        self._notified: tuple | None = None
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="eplb-metrics", daemon=True)
+        self._thread.start()
+
+    def notify(self, progress: tuple) -> None:
+        """Serving thread: cheap unless ``progress`` moved."""
+        if progress == self._notified:
+            return
+        self._notified = progress
+        with self._condition:
+            self._pending = progress
+            self._condition.notify()
+
+    def close(self, progress: tuple) -> None:
+        """Stop the thread, then write the final document here (forced)."""
+        with self._condition:
+            self._stopped = True
+            self._condition.notify()
+        self._thread.join(5.0)
+        self.file.update(progress, self.document, force=True)
+
+    def _run(self) -> None:
+        while True:
+            with self._condition:
+                self._condition.wait_for(lambda: self._pending is not None or self._stopped)
+                if self._stopped:
+                    return
+                progress, self._pending = self._pending, None
+            try:
+                self.file.update(progress, self.document)
+            except Exception as error:  # monitoring must never take serving down
+                logger.warning("eplb-graph: metrics not written: %s", error)
+
 
 _COUNTERS = {
     "steps": ("eplb_graph_steps", "Serving steps this rank has taken with EPLB"),

@@ -26,6 +26,7 @@ import torch
 from eplb_graph.errors import EplbError
 from eplb_graph.integrations.vllm import routing
 from eplb_graph.integrations.vllm.metrics import (
+    BackgroundWriter,
     RankMetricsFile,
     compile_counters,
     placement_digest,
@@ -42,6 +43,9 @@ logger = logging.getLogger(__name__)
 GROUP_RING_SIZE = 4
 GROUP_TIMEOUT_S = 60.0
 STEP_TIMES_KEPT = 4096
+STEPS_NOT_TIMED = 8
+"""The first steps of an engine pay one-off costs (lazily compiled kernels, first allocations,
+seconds on a 2-rank CPU engine); they would dominate any percentile of serving step times."""
 
 
 class UnsupportedVllmModel(EplbError, RuntimeError):
@@ -73,15 +77,22 @@ class VllmEplbAdapter:
         self._graphs_at_first_step: int | None = None
         self._step_started = 0.0
         self._step_busy = False
+        self._hook_seconds = {
+            "idle": deque(maxlen=STEP_TIMES_KEPT),
+            "rearranging": deque(maxlen=STEP_TIMES_KEPT),
+        }
+        self._hook_started = 0.0
         # Serving step times (commits + forward + sampling + end of step), split by whether a
         # rearrangement was in flight: what a rearrangement costs serving, measured where it runs.
         self._step_seconds = {
             "idle": deque(maxlen=STEP_TIMES_KEPT),
             "rearranging": deque(maxlen=STEP_TIMES_KEPT),
         }
-        self._metrics = (
-            RankMetricsFile(settings.metrics_path, ep_rank) if settings.metrics_path else None
-        )
+        self._digest = (-1, "")  # (placement version, digest), computed on this thread
+        self._metrics = None
+        if settings.metrics_path is not None:
+            file = RankMetricsFile(settings.metrics_path, ep_rank)
+            self._metrics = BackgroundWriter(file, self.snapshot)
 
     # -- vLLM's call sites ---------------------------------------------------------------------
     def prepare_forward(self, model_config, num_tokens_unpadded, ubatch_slices=None) -> None:
@@ -97,6 +108,7 @@ class VllmEplbAdapter:
         self.runtime.begin_step(
             has_prefill=_has_prefill(self.runner), num_valid_tokens=int(num_tokens_unpadded)
         )
+        self._hook_started = time.perf_counter() - self._step_started
         self._open = True
 
     def step(self, is_dummy: bool = False, is_profile: bool = False, log_stats: bool = False):
@@ -107,15 +119,26 @@ class VllmEplbAdapter:
 
     # -- internals -------------------------------------------------------------------------------
     def _end_step(self) -> None:
+        ending = time.perf_counter()
         self.runtime.end_step()
         # Dummy runs between real steps never call prepare_forward: make them record nothing.
         self.state.set_step_inputs_(0, False)
-        elapsed = time.perf_counter() - self._step_started
-        self._step_seconds["rearranging" if self._step_busy else "idle"].append(elapsed)
+        if self.steps >= STEPS_NOT_TIMED:
+            ended = time.perf_counter()
+            kind = "rearranging" if self._step_busy else "idle"
+            self._step_seconds[kind].append(ended - self._step_started)
+            self._hook_seconds[kind].append(self._hook_started + ended - ending)
         self._open = False
         self.steps += 1
         if self._metrics is not None:
-            self._metrics.update(self.snapshot())
+            self._refresh_digest()
+            self._metrics.notify(self.runtime.progress())
+
+    def _refresh_digest(self) -> None:
+        """The digest of the committed placement, recomputed on the thread that commits."""
+        version, placement = self.state.committed_snapshot()
+        if version != self._digest[0]:
+            self._digest = (version, placement_digest(placement))
 
     def snapshot(self) -> dict[str, Any]:
         """This rank's figures (what the metrics file holds)."""
@@ -139,11 +162,14 @@ class VllmEplbAdapter:
             "balancedness": movement["last_window_balancedness"],
             "hotness": movement["last_hotness"],
             "placement_version": control["placement_version"],
-            "placement_digest": placement_digest(self.state.committed_snapshot()[1]),
+            "placement_digest": self._digest[1],
             "last_error": movement["last_error"],
             "balancedness_windows": movement["window_balancedness"],
             "compile": {**counters, "unique_graphs_at_first_step": self._graphs_at_first_step},
-            "step_ms": {name: _summary(times) for name, times in self._step_seconds.items()},
+            "step_ms": {name: _summary(list(times)) for name, times in self._step_seconds.items()},
+            "eplb_hooks_ms": {
+                name: _summary(list(times)) for name, times in self._hook_seconds.items()
+            },
             "closed": self.closed,
         }
 
@@ -153,7 +179,8 @@ class VllmEplbAdapter:
         self.runtime.close()
         self.closed = True
         if self._metrics is not None:
-            self._metrics.update(self.snapshot(), force=True)
+            self._refresh_digest()
+            self._metrics.close(self.runtime.progress())
 
 
 def _summary(seconds) -> dict[str, float | int]:
@@ -259,7 +286,8 @@ def attach(runner: Any) -> VllmEplbAdapter:
     runner.eplb_state = adapter
     runner._moe_model = model
     if adapter._metrics is not None:
-        adapter._metrics.update(adapter.snapshot(), force=True)
+        adapter._refresh_digest()
+        adapter._metrics.file.update(runtime.progress(), adapter.snapshot, force=True)
     logger.info(
         "eplb-graph EPLB on EP rank %d/%d: %d MoE layers, %d experts + %d redundant, policy %s, %s",
         ep_rank,

@@ -1,4 +1,4 @@
-"""A tiny Qwen3-MoE checkpoint for real vLLM engine tests, written by the tests themselves.
+"""A tiny Qwen3-MoE checkpoint for real vLLM engines: the plugin's tests and benchmark write it.
 
 Random weights (seeded) saved with transformers, about 2.5 MB in float32: hidden 128, 2 layers,
 4 heads / 2 KV heads of 32, 8 experts, top-2, expert intermediate 64, vocabulary 512. vLLM's
@@ -18,11 +18,11 @@ HOT_EXPERTS = (2, 3, 4)
 NUM_EXPERTS = 8
 
 
-def make_tiny_qwen3_moe(
+def write_tiny_qwen3_moe(
     path: str | Path, *, hot_experts: tuple[int, ...] = HOT_EXPERTS, seed: int = 0
 ) -> Path:
     import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # comes with the vllm extra
 
     config = Qwen3MoeConfig(
         vocab_size=512,

@@ -1,0 +1,240 @@
+"""vLLM engine with eplb-graph: what EPLB costs a decode step, idle and while it moves weights.
+
+Two measurements on the tiny Qwen3-MoE (``eplb_graph.models.tiny_qwen3_moe``), 2 EP ranks with 2
+redundant slots, float32, one core per rank (``VLLM_CPU_OMP_THREADS_BIND='0|1'``):
+
+1. **Overhead with nothing pending**: decode step time with EPLB on (recording every step, no
+   window close during the measurement: window = interval = 10**6) against the same engine
+   layout with EPLB off (expert parallelism only). Both engines live in one process and take
+   turns (ABBA order), so a burst of load from elsewhere on this shared machine hits both
+   alike; each call generates 4 prompts x T new tokens after a warm-up call, and a step is one
+   call's time / T. Goal: at most 2% overhead. (Each rank is pinned to one core, so the
+   per-rank thread count is 1; 2 threads per rank would oversubscribe the 2 cores.)
+2. **Step time while a rearrangement is in flight**: an EPLB engine rebalancing every
+   ``interval`` steps (asynchronous, the default policy) records every serving step's time
+   (commits, forward, sampling) split by whether a rearrangement was in flight; the p99 of the
+   in-flight steps against the p99 of the idle steps. Goal: at most 1.2x.
+
+Each engine runs in a fresh process of this script (``--engine SPEC``), so vLLM's process-wide
+state never leaks between engines. ``--quick`` uses eager engines and fewer steps.
+
+    python tools/bench/bench_vllm.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from timing import run_benchmark, write_report
+
+PROMPTS = [[(7 * i + 3 * j) % 500 + 3 for j in range(5 + 3 * i)] for i in range(4)]
+OVERHEAD_GOAL = 1.02
+IN_FLIGHT_GOAL = 1.2
+
+
+def engine_main(spec_path: str, out_path: str) -> None:
+    """Child process: the spec's engines, timed ``generate`` calls in turns (ABBA)."""
+    from vllm import LLM, SamplingParams
+
+    spec = json.loads(Path(spec_path).read_text())
+    engines = {name: LLM(model=spec["model"], **llm) for name, llm in spec["engines"].items()}
+    prompts = [{"prompt_token_ids": prompt} for prompt in PROMPTS]
+    sampling = SamplingParams(
+        max_tokens=spec["tokens"], temperature=0, detokenize=False, ignore_eos=True
+    )
+    for engine in engines.values():  # warm-up: first-batch costs, caches
+        engine.generate(prompts, sampling, use_tqdm=False)
+    names = list(engines)
+    step_seconds: dict[str, list[float]] = {name: [] for name in names}
+    for call in range(spec["calls"]):
+        for name in names if call % 2 == 0 else reversed(names):
+            started = time.perf_counter()
+            engines[name].generate(prompts, sampling, use_tqdm=False)
+            step_seconds[name].append((time.perf_counter() - started) / spec["tokens"])
+    Path(out_path).write_text(json.dumps({"step_seconds": step_seconds}))
+
+
+def run_engine(root: Path, name: str, spec: dict) -> dict:
+    spec_path, out_path = root / f"{name}.spec.json", root / f"{name}.out.json"
+    spec_path.write_text(json.dumps(spec))
+    env = dict(os.environ)
+    for variable, folder in (
+        ("TMPDIR", "tmp"),
+        ("VLLM_CACHE_ROOT", "vllm"),
+        ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
+        ("XDG_CACHE_HOME", "xdg"),
+    ):
+        (root / folder).mkdir(exist_ok=True)
+        env.setdefault(variable, str(root / folder))
+    env.update(
+        HF_HUB_OFFLINE="1",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_CPU_OMP_THREADS_BIND="0|1",
+        VLLM_PLUGINS="eplb_graph",
+    )
+    started = time.perf_counter()
+    with open(root / f"{name}.log", "w") as log:
+        subprocess.run(
+            [sys.executable, __file__, "--engine", str(spec_path), str(out_path)],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            check=True,
+            timeout=1800,
+        )
+    result = json.loads(out_path.read_text())
+    result["wall_seconds"] = time.perf_counter() - started
+    return result
+
+
+def engine_kwargs(*, eplb: dict | None, eager: bool) -> dict:
+    llm = {
+        "skip_tokenizer_init": True,
+        "dtype": "float32",
+        "max_model_len": 512,
+        "max_num_seqs": 4,
+        "max_num_batched_tokens": 256,
+        "seed": 0,
+        "enforce_eager": eager,
+        "tensor_parallel_size": 2,
+        "enable_expert_parallel": True,
+    }
+    if eplb is not None:
+        llm.update(enable_eplb=True, **eplb)
+    return llm
+
+
+def overhead(root: Path, model: Path, args) -> dict:
+    """Decode step time, EPLB on with nothing pending against EPLB off, in turns."""
+    never = {
+        "eplb_config": {
+            "window_size": 10**6,
+            "step_interval": 10**6,
+            "num_redundant_experts": 2,
+        }
+    }
+    tokens, calls = (48, 6) if args.quick else (96, 12)
+    spec = {
+        "model": str(model),
+        "engines": {
+            "off": engine_kwargs(eplb=None, eager=args.quick),
+            "on": engine_kwargs(eplb=never, eager=args.quick),
+        },
+        "tokens": tokens,
+        "calls": calls,
+    }
+    result = run_engine(root, "overhead", spec)
+    steps = result["step_seconds"]
+    medians = {variant: statistics.median(values) for variant, values in steps.items()}
+    ratio = medians["on"] / medians["off"]
+    for variant in ("off", "on"):
+        print(
+            f"  {variant:>3}: median step {1e3 * medians[variant]:.2f} ms over {calls} calls x "
+            f"{tokens} tokens"
+        )
+    return {
+        "mode": "eager" if args.quick else "compiled",
+        "tokens_per_call": tokens,
+        "calls_per_engine": calls,
+        "step_ms": {variant: [1e3 * s for s in values] for variant, values in steps.items()},
+        "median_step_ms": {variant: 1e3 * value for variant, value in medians.items()},
+        "ratio_on_over_off": ratio,
+        "goal": OVERHEAD_GOAL,
+        "met": ratio <= OVERHEAD_GOAL,
+    }
+
+
+def in_flight(root: Path, model: Path, args) -> dict:
+    """p99 step time while a rearrangement is in flight against idle steps, one engine."""
+    interval = 24 if args.quick else 40
+    metrics_dir = root / "in-flight-metrics"
+    eplb = {
+        "eplb_config": {
+            "window_size": interval // 2,
+            "step_interval": interval,
+            "num_redundant_experts": 2,
+        },
+        "additional_config": {"eplb_graph": {"metrics_path": str(metrics_dir)}},
+    }
+    tokens, calls = (64, 3) if args.quick else (120, 5)
+    spec = {
+        "model": str(model),
+        "engines": {"eplb": engine_kwargs(eplb=eplb, eager=args.quick)},
+        "tokens": tokens,
+        "calls": calls,
+    }
+    run_engine(root, "in-flight", spec)
+    rank = json.loads((metrics_dir / "rank0.json").read_text())
+    idle, busy = rank["step_ms"]["idle"], rank["step_ms"]["rearranging"]
+    ratio = busy["p99"] / idle["p99"] if idle.get("count") and busy.get("count") else None
+    return {
+        "mode": "eager" if args.quick else "compiled",
+        "step_interval": interval,
+        "rearrangements": rank["rearrangements"],
+        "aborted": rank["aborted"],
+        "layers_committed": rank["layers_committed"],
+        "idle_ms": idle,
+        "in_flight_ms": busy,
+        "ratio_p99_in_flight_over_idle": ratio,
+        "goal": IN_FLIGHT_GOAL,
+        "met": ratio is not None and ratio <= IN_FLIGHT_GOAL,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="eager engines, fewer steps")
+    parser.add_argument("--json", type=Path, help="write the report here")
+    parser.add_argument("--engine", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.engine:
+        engine_main(*args.engine)
+        return
+    from eplb_graph.models.tiny_qwen3_moe import write_tiny_qwen3_moe
+
+    with tempfile.TemporaryDirectory(prefix="bench-vllm-") as folder:
+        root = Path(folder)
+        model = write_tiny_qwen3_moe(root / "model")
+        print("overhead, nothing pending (EPLB on against EPLB off):")
+        report = {
+            "environment": {
+                "python": platform.python_version(),
+                "machine": platform.machine(),
+                "cpus": os.cpu_count(),
+                "loadavg_start": os.getloadavg(),
+            },
+            "quick": args.quick,
+            "overhead": overhead(root, model, args),
+        }
+        o = report["overhead"]
+        print(f"  ratio on/off {o['ratio_on_over_off']:.3f} (goal <= {OVERHEAD_GOAL})")
+        print("step time while a rearrangement is in flight:")
+        report["in_flight"] = f = in_flight(root, model, args)
+        print(
+            f"  idle p50/p99 {f['idle_ms'].get('p50', 0):.2f}/{f['idle_ms'].get('p99', 0):.2f} ms"
+            f" ({f['idle_ms']['count']} steps), in flight "
+            f"{f['in_flight_ms'].get('p50', 0):.2f}/{f['in_flight_ms'].get('p99', 0):.2f} ms"
+            f" ({f['in_flight_ms']['count']} steps); p99 ratio "
+            f"{f['ratio_p99_in_flight_over_idle']} (goal <= {IN_FLIGHT_GOAL}); "
+            f"{f['rearrangements']} rearrangements, {f['aborted']} aborted"
+        )
+        report["environment"]["loadavg_end"] = os.getloadavg()
+        write_report(args.json, report)
+
+
+if __name__ == "__main__":
+    if "--engine" in sys.argv:
+        main()
+    else:
+        run_benchmark(main)
