@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from eplb_graph import expert_map
+from eplb_graph.arguments import as_int
 from eplb_graph.tables import (
     PlacementError,
     as_phy2log,
@@ -28,6 +29,10 @@ from eplb_graph.tables import (
 )
 
 __all__ = ["Placement", "PlacementError"]
+
+MAX_SIZE = 1 << 20
+"""Largest layer, expert or rank count a default placement is built for: larger is a typo, and
+would allocate a table of that size before anything else could object."""
 
 
 class Placement:
@@ -42,6 +47,8 @@ class Placement:
     __slots__ = ("_phy2log", "num_logical", "num_ranks")
 
     def __init__(self, phy2log: torch.Tensor | Sequence, num_logical: int, num_ranks: int) -> None:
+        num_logical = as_int("num_logical", num_logical, minimum=1, error=PlacementError)
+        num_ranks = as_int("num_ranks", num_ranks, minimum=1, error=PlacementError)
         table = as_phy2log(phy2log)
         validate_phy2log(table, num_logical, num_ranks)
         self._phy2log = table
@@ -54,12 +61,16 @@ class Placement:
         cls, num_layers: int, num_logical: int, num_redundant: int, num_ranks: int
     ) -> Placement:
         """Slots ``0..N-1`` hold experts ``0..N-1``; redundant slot ``N + j`` holds ``j % N``."""
-        if num_layers < 1:
-            raise PlacementError(f"num_layers must be >= 1, got {num_layers}")
-        if num_logical < 1:
-            raise PlacementError(f"num_logical must be >= 1, got {num_logical}")
-        if num_redundant < 0:
-            raise PlacementError(f"num_redundant must be >= 0, got {num_redundant}")
+        num_layers = as_int(
+            "num_layers", num_layers, minimum=1, maximum=1 << 16, error=PlacementError
+        )
+        num_logical = as_int(
+            "num_logical", num_logical, minimum=1, maximum=1 << 20, error=PlacementError
+        )
+        num_redundant = as_int(
+            "num_redundant", num_redundant, minimum=0, maximum=1 << 20, error=PlacementError
+        )
+        num_ranks = as_int("num_ranks", num_ranks, minimum=1, maximum=1 << 20, error=PlacementError)
         row = torch.cat([torch.arange(num_logical), torch.arange(num_redundant) % num_logical]).to(
             torch.int64
         )
@@ -105,6 +116,7 @@ class Placement:
         Raises:
             PlacementError: if some expert has more than ``max_replicas`` slots.
         """
+        max_replicas = as_int("max_replicas", max_replicas, minimum=1, error=PlacementError)
         check_lookup_width(self.replica_count(), max_replicas)
         return derive_log2phy(self._phy2log, self.num_logical, max_replicas)
 

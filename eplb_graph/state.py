@@ -11,10 +11,13 @@ it as a fixed input rather than copying it on every replay.
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 
 import torch
 
+from eplb_graph.arguments import as_flag, as_index, as_int
+from eplb_graph.errors import EplbError
 from eplb_graph.ops import INDEX_DTYPES
 from eplb_graph.placement import Placement
 from eplb_graph.tables import (
@@ -29,6 +32,11 @@ from eplb_graph.tables import (
 logger = logging.getLogger(__name__)
 
 _LOW32 = 0xFFFFFFFF
+
+
+class EplbStateError(EplbError, ValueError):
+    """An argument of ``EplbState`` (construction, step inputs, a commit) is invalid; nothing
+    was written."""
 
 
 @dataclass(frozen=True)
@@ -92,9 +100,14 @@ class EplbState:
             raise TypeError(f"index_dtype must be torch.int32 or torch.int64, got {index_dtype}")
         if load_dtype not in INDEX_DTYPES:
             raise TypeError(f"load_dtype must be torch.int32 or torch.int64, got {load_dtype}")
-        if not 0 <= rank < placement.num_ranks:
-            raise ValueError(f"rank must be in [0, {placement.num_ranks}), got {rank}")
-        width = placement.num_redundant + 1 if max_replicas is None else int(max_replicas)
+        if not isinstance(placement, Placement):
+            raise EplbStateError(f"placement must be a Placement, got {type(placement).__name__}")
+        rank = as_index("rank", rank, placement.num_ranks, error=EplbStateError)
+        width = placement.num_redundant + 1
+        if max_replicas is not None:
+            width = as_int("max_replicas", max_replicas, minimum=1, error=EplbStateError)
+        if offset_seed is not None:
+            offset_seed = as_int("offset_seed", offset_seed, minimum=0, error=EplbStateError)
         log2phy_host = placement.log2phy(width)  # raises PlacementError if R is too small
         device = torch.device(device)
         num_layers, num_slots = placement.num_layers, placement.num_slots
@@ -107,6 +120,9 @@ class EplbState:
         self._committed = placement.phy2log.clone()  # host mirror: the committed placement
         self._version = 0
         self._snapshot: torch.Tensor | None = None
+        # Tables this state's prepare_layer made: the only ones commit_prepared_ installs, so a
+        # hand-built (possibly inconsistent) set of tables can never reach the lookup.
+        self._issued: weakref.WeakSet[PreparedLayer] = weakref.WeakSet()
 
         def alloc(host: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
             # copy=True: never alias the caller's tensors (a Placement is a value; commits
@@ -176,13 +192,16 @@ class EplbState:
     # -- per-step controls (host side, between replays; no host sync) --------------------------
     def set_step_inputs_(self, num_valid_tokens: int, record: bool) -> None:
         """Set the valid-token count (padding rows excluded) and the record flag in place."""
-        if num_valid_tokens < 0:
-            raise ValueError(f"num_valid_tokens must be >= 0, got {num_valid_tokens}")
+        num_valid_tokens = as_int(
+            "num_valid_tokens", num_valid_tokens, minimum=0, error=EplbStateError
+        )
+        record = as_flag("record", record, error=EplbStateError)
         self.num_valid_tokens.fill_(num_valid_tokens)
-        self.record_enabled.fill_(bool(record))
+        self.record_enabled.fill_(record)
 
     def advance_offset_(self, steps: int = 1) -> None:
         """Move the replica-choice offset in place (kept within 32 bits: no overflow, ever)."""
+        steps = as_int("steps", steps, maximum=None, error=EplbStateError)  # modular: any int
         self.offset.add_(steps).bitwise_and_(_LOW32)
 
     def reset_load_(self) -> None:
@@ -202,7 +221,9 @@ class EplbState:
         check_lookup_width(counts, self.max_replicas, first_layer=layer)
         log2phy = derive_log2phy(row, self.num_logical, self.max_replicas)
         dtype = self.log2phy.dtype
-        return PreparedLayer(layer, row[0].to(dtype), log2phy[0].to(dtype), counts[0].to(dtype))
+        prepared = PreparedLayer(layer, row[0].to(dtype), log2phy[0].to(dtype), counts[0].to(dtype))
+        self._issued.add(prepared)
+        return prepared
 
     def commit_prepared_(self, layer: int, prepared: PreparedLayer) -> None:
         """Write prepared tables into the layer's rows in place (no reallocation, no loop).
@@ -220,9 +241,9 @@ class EplbState:
         self._committed_changed()
 
     def _check_prepared(self, layer: int, prepared: object) -> None:
-        if not isinstance(prepared, PreparedLayer):
+        if not isinstance(prepared, PreparedLayer) or prepared not in self._issued:
             raise PlacementError(
-                f"commit_prepared_ takes the PreparedLayer made by prepare_layer, got "
+                f"commit_prepared_ takes the PreparedLayer this state's prepare_layer made, got "
                 f"{type(prepared).__name__}"
             )
         if prepared.layer != layer:

@@ -10,11 +10,11 @@ definition of "valid" without depending on each other.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 
 import torch
 
+from eplb_graph.arguments import as_index
 from eplb_graph.errors import EplbError
 
 
@@ -179,15 +179,4 @@ def check_layer_index(layer: object, num_layers: int) -> int:
     Integers of any kind (Python, numpy, a 0-d integer tensor) are accepted; booleans and
     negatives are refused, because ``True`` would silently mean layer 1 and ``-1`` the last one.
     """
-    is_bool_tensor = isinstance(layer, torch.Tensor) and layer.dtype == torch.bool
-    if isinstance(layer, bool) or is_bool_tensor:
-        raise PlacementError(f"layer must be an integer in [0, {num_layers}), got {layer!r}")
-    try:
-        index = operator.index(layer)
-    except TypeError:
-        raise PlacementError(
-            f"layer must be an integer in [0, {num_layers}), got {layer!r}"
-        ) from None
-    if not 0 <= index < num_layers:
-        raise PlacementError(f"layer must be in [0, {num_layers}), got {index}")
-    return index
+    return as_index("layer", layer, num_layers, error=PlacementError)

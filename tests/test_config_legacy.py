@@ -93,7 +93,7 @@ def test_legacy_record_path_rules(tmp_path):
 
 
 def test_legacy_record_directory_must_be_writable(tmp_path, monkeypatch):
-    monkeypatch.setattr("eplb_graph.integrations.settings.legacy.os.access", lambda *_args: False)
+    monkeypatch.setattr("eplb_graph.integrations.settings.paths.os.access", lambda *_args: False)
     with raises("additional_config.eplb_config.expert_map_record_path", "is not writable"):
         resolve(additional_config=legacy(expert_map_record_path=str(tmp_path / "m.json")))
 
@@ -108,6 +108,6 @@ def test_legacy_static_map_path_rules(tmp_path, monkeypatch):
     with raises(field, "is not a regular file"):
         resolve(additional_config=legacy(expert_map_path=str(tmp_path / "dir.json")))
     path = write_map(tmp_path / "map.json", Placement.default(1, 64, 0, 4))
-    monkeypatch.setattr("eplb_graph.integrations.settings.legacy.os.access", lambda *_args: False)
+    monkeypatch.setattr("eplb_graph.integrations.settings.paths.os.access", lambda *_args: False)
     with raises(field, "is not readable"):
         resolve(additional_config=legacy(expert_map_path=path))

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 import eplb_graph
+from eplb_graph import MovementSettings
+from eplb_graph.arguments import SettingsError
 from eplb_graph.control import (
     ControlSettings,
     EplbController,
@@ -252,3 +254,36 @@ def test_a_rank_that_does_not_record_load_only_takes_its_steps():
     assert controller.window.steps_seen == 8
     assert not bool(state.record_enabled)
     assert [int(plan.load.physical.sum()) for _, plan in plans] == [0]  # one close, step 2
+
+
+@pytest.mark.parametrize(
+    ("keywords", "match"),
+    [
+        ({"num_nodes": 0}, "num_nodes must be >= 1"),
+        ({"num_nodes": -1}, "num_nodes must be >= 1"),
+        ({"num_groups": 0}, "num_groups must be >= 1"),
+        ({"window_size": 10**30}, "window_size must be <="),
+        ({"step_interval": True}, "step_interval must be an integer, got the boolean"),
+        ({"log_balancedness": "yes"}, "log_balancedness must be True or False"),
+        ({"policy": ""}, "policy must be a policy name"),
+        ({"policy_options": {1: 2}}, "policy_options must be a dict"),
+    ],
+)
+def test_control_settings_refuse_what_would_fail_later(keywords, match):
+    with pytest.raises(SettingsError, match=match):
+        ControlSettings(**keywords)
+
+
+@pytest.mark.parametrize(
+    ("keywords", "match"),
+    [
+        ({"layers_per_step": 0}, "layers_per_step must be >= 1"),
+        ({"commit_margin_steps": 1.5}, "commit_margin_steps must be an integer"),
+        ({"exchange_timeout_s": float("nan")}, "finite number of seconds"),
+        ({"install_wait_s": 0}, "finite number of seconds > 0"),
+        ({"staging_blocks": 0}, "staging_blocks must be >= 1"),
+    ],
+)
+def test_movement_settings_refuse_what_would_fail_later(keywords, match):
+    with pytest.raises(SettingsError, match=match):
+        MovementSettings(**keywords)

@@ -10,12 +10,14 @@ from __future__ import annotations
 import random
 import re
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eplb_graph import EplbState, Placement, PlacementError
+from eplb_graph.state import EplbStateError, PreparedLayer
 from eplb_graph.tables import check_slots_per_rank
 
 OPS = torch.ops.eplb_graph
@@ -593,3 +595,112 @@ def test_offset_seed_defaults_to_the_rank_and_can_be_shared():
     assert [int(EplbState(placement, rank=r).offset) for r in (0, 1)] == [0, 1]
     shared = [int(EplbState(placement, rank=r, offset_seed=7).offset) for r in (0, 1)]
     assert shared == [7, 7]
+
+
+def _everything(state: EplbState) -> dict:
+    """Every tensor, the version and the host mirror: what an all-or-nothing commit protects."""
+    return {
+        **{name: tensor.clone() for name, tensor in state.graph_tensors().items()},
+        "version": state.placement_version,
+        "mirror": state.placement.phy2log.clone(),
+    }
+
+
+def _unchanged(before: dict, state: EplbState) -> bool:
+    after = _everything(state)
+    return all(
+        torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+        for a, b in zip(before.values(), after.values(), strict=True)
+    )
+
+
+@pytest.mark.parametrize(
+    "layer", [True, False, torch.tensor(True), 1.0, "1", -1, 3, torch.tensor([1])]
+)
+def test_a_layer_that_is_not_an_index_commits_nothing(layer):
+    state = EplbState(Placement.default(3, 4, 4, 2))
+    before = _everything(state)
+    with pytest.raises(PlacementError, match="layer must be"):
+        state.commit_layer_(layer, torch.tensor([3, 2, 1, 0, 0, 1, 2, 3]))
+    assert _unchanged(before, state)
+
+
+def test_integers_of_every_kind_are_layer_indices():
+    state = EplbState(Placement.default(3, 4, 4, 2))
+    row = torch.tensor([3, 2, 1, 0, 0, 1, 2, 3])
+    for layer in (1, np.int64(1), torch.tensor(1)):
+        state.commit_layer_(layer, row)
+    assert torch.equal(state.placement.phy2log[1], row)
+
+
+def test_only_tables_this_state_prepared_are_committed_and_nothing_is_written_otherwise():
+    state = EplbState(Placement.default(2, 4, 4, 2))
+    other = EplbState(Placement.default(2, 4, 4, 2))
+    row = torch.tensor([3, 2, 1, 0, 0, 1, 2, 3])
+    prepared = state.prepare_layer(1, row)
+    forged = PreparedLayer(1, prepared.phy2log, prepared.log2phy.flip(0), prepared.replica_count)
+    before = _everything(state)
+    malformed = [
+        tuple(vars(prepared).values()),  # the old tuple form
+        forged,  # right shapes, inconsistent tables, not made by prepare_layer
+        other.prepare_layer(1, row),  # made by another state
+    ]
+    for bad in malformed:
+        with pytest.raises(PlacementError, match="prepare_layer made"):
+            state.commit_prepared_(1, bad)
+        assert _unchanged(before, state)
+    with pytest.raises(PlacementError, match="prepared for layer 1 cannot be committed to layer 0"):
+        state.commit_prepared_(0, prepared)
+    assert _unchanged(before, state)
+    state.commit_prepared_(1, prepared)
+    assert torch.equal(state.placement.phy2log[1], row)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "match"),
+    [
+        ((2.7, True), "num_valid_tokens must be an integer"),
+        ((True, True), "num_valid_tokens must be an integer, got the boolean"),
+        ((-1, True), "num_valid_tokens must be >= 0"),
+        ((4, "no"), "record must be True or False"),
+        ((4, 1), "record must be True or False"),
+        ((4, None), "record must be True or False"),
+    ],
+)
+def test_step_inputs_are_not_coerced(arguments, match):
+    state = EplbState(Placement.default(1, 4, 0, 2))
+    before = _everything(state)
+    with pytest.raises(EplbStateError, match=match):
+        state.set_step_inputs_(*arguments)
+    assert _unchanged(before, state)
+
+
+@pytest.mark.parametrize(
+    ("keywords", "match"),
+    [
+        ({"rank": True}, "rank must be an integer, got the boolean"),
+        ({"rank": 1.0}, "rank must be an integer"),
+        ({"max_replicas": 2.5}, "max_replicas must be an integer"),
+        ({"offset_seed": True}, "offset_seed must be an integer"),
+        ({"offset_seed": -1}, "offset_seed must be >= 0"),
+    ],
+)
+def test_state_construction_arguments_are_not_coerced(keywords, match):
+    with pytest.raises(EplbStateError, match=match):
+        EplbState(Placement.default(1, 4, 4, 2), **keywords)
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: Placement([[0, 1]], True, 1), "num_logical must be an integer, got the boolean"),
+        (lambda: Placement([[0, 1]], 2, 1.0), "num_ranks must be an integer"),
+        (lambda: Placement.default(True, 4, 0, 2), "num_layers must be an integer"),
+        (lambda: Placement.default(1, 4, 0, 10**30), "num_ranks must be <="),
+        (lambda: Placement.default(1, 4, 0, 2).log2phy(2.5), "max_replicas must be an integer"),
+        (lambda: Placement.default(2, 4, 0, 2).with_layer(-1, [0, 1, 2, 3]), "layer must be in"),
+    ],
+)
+def test_placement_arguments_are_not_coerced(call, match):
+    with pytest.raises(PlacementError, match=match):
+        call()

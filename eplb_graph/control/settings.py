@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from eplb_graph.arguments import SettingsError, as_flag, as_int
 from eplb_graph.control.phases import CollectionPhase
 
 
@@ -30,10 +31,24 @@ class ControlSettings:
         object.__setattr__(
             self, "load_collection_phase", CollectionPhase.parse(self.load_collection_phase)
         )
-        for name in ("window_size", "step_interval", "log_balancedness_interval", "time_samples"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in (
+            "window_size",
+            "step_interval",
+            "log_balancedness_interval",
+            "time_samples",
+            "num_groups",
+            "num_nodes",
+        ):
+            as_int(name, getattr(self, name), minimum=1, error=SettingsError)
+        as_flag("log_balancedness", self.log_balancedness, error=SettingsError)
+        if not isinstance(self.policy, str) or not self.policy:
+            raise SettingsError(f"policy must be a policy name, got {self.policy!r}")
+        if not isinstance(self.policy_options, dict) or not all(
+            isinstance(key, str) for key in self.policy_options
+        ):
+            raise SettingsError(
+                f"policy_options must be a dict of keyword options, got {self.policy_options!r}"
+            )
 
     @property
     def effective_window_size(self) -> int:

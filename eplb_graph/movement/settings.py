@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from eplb_graph.arguments import SettingsError, as_int, as_seconds
+
 
 @dataclass(frozen=True)
 class MovementSettings:
@@ -32,10 +34,11 @@ class MovementSettings:
 
     def __post_init__(self) -> None:
         for name in ("layers_per_step", "commit_margin_steps", "max_batch_ops"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if min(self.exchange_timeout_s, self.agree_timeout_s, self.install_wait_s) <= 0:
-            raise ValueError("timeouts must be positive")
+            as_int(name, getattr(self, name), minimum=1, error=SettingsError)
+        for name in ("exchange_timeout_s", "agree_timeout_s", "install_wait_s"):
+            as_seconds(name, getattr(self, name), error=SettingsError)
+        if self.staging_blocks is not None:
+            as_int("staging_blocks", self.staging_blocks, minimum=1, error=SettingsError)
 
     @property
     def num_staging_blocks(self) -> int:
