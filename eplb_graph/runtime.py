@@ -34,15 +34,8 @@ from eplb_graph.control.window import (
 )
 from eplb_graph.movement.agreement import StoreAgreement, default_store
 from eplb_graph.movement.clock import StepClock
-from eplb_graph.movement.rebalance import (
-    FaultHook,
-    InstallNow,
-    Job,
-    PlanJob,
-    PublishAtAgreedStep,
-    RebalancePipeline,
-    WindowJob,
-)
+from eplb_graph.movement.delivery import InstallNow, PublishAtAgreedStep
+from eplb_graph.movement.rebalance import FaultHook, Job, PlanJob, RebalancePipeline, WindowJob
 from eplb_graph.movement.scheduler import CommitScheduler
 from eplb_graph.movement.settings import MovementSettings
 from eplb_graph.movement.staging import LayerInstaller, StagingPool
@@ -179,7 +172,7 @@ class EplbRuntime:
         Async: queued behind any job in flight (planned against the placement committed when
         it starts) and committed layer by layer at agreed steps. Sync: now.
         """
-        self._rebalance(PlanJob(torch.as_tensor(new_phy2log).clone()))
+        self._rebalance(PlanJob(torch.as_tensor(new_phy2log).clone(), self.clock.step))
 
     @property
     def busy(self) -> bool:
@@ -208,6 +201,7 @@ class EplbRuntime:
             self.controller.windows_closed,
             pipeline.rearrangements_started,
             pipeline.rearrangements_completed,
+            self.scheduler.stats.rearrangements_finished if self.scheduler is not None else 0,
             pipeline.rearrangements_aborted,
             pipeline.rearrangements_noop,
             pipeline.plans_recorded,
@@ -218,9 +212,14 @@ class EplbRuntime:
     def metrics(self) -> dict:
         """Structured snapshot for monitoring (plain values)."""
         pipeline, installed = self.pipeline.stats, self.installer.stats
+        completed = (
+            pipeline.rearrangements_completed
+            if self.scheduler is None
+            else self.scheduler.stats.rearrangements_completed
+        )
         movement = {
             "rearrangements_started": pipeline.rearrangements_started,
-            "rearrangements_completed": pipeline.rearrangements_completed,
+            "rearrangements_completed": completed,
             "rearrangements_aborted": pipeline.rearrangements_aborted,
             "rearrangements_noop": pipeline.rearrangements_noop,
             "layers_published": pipeline.layers_delivered,
@@ -237,6 +236,12 @@ class EplbRuntime:
             "vetoes": self.clock.vetoes,
         }
         if self.scheduler is not None:
+            movement["windows_committed"] = self.scheduler.stats.windows_committed
+            movement["windows_pending"] = self.scheduler.jobs_in_flight
+            movement["windows_coalesced"] = self.worker.windows_coalesced
+            movement["windows_stood_in"] = self.worker.windows_stood_in
+            movement["job_rounds_failed"] = self.worker.job_rounds_failed
+            movement["commit_margin_steps"] = self.pipeline.delivery.margin
             movement["late_items"] = self.scheduler.stats.late_items
             movement["fence_timeouts"] = self.scheduler.stats.fence_timeouts
             movement["worker_alive"] = self.worker.alive

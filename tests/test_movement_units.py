@@ -165,3 +165,61 @@ def test_planner_hands_the_previous_window_to_policies_that_take_it(monkeypatch)
     PolicyPlanner("test_no_history", 8, 1, 1, 2)(_window(10, loads[0], committed))  # no TypeError
     with pytest.raises(TypeError, match=r"previous_weight.*supplied by the planner"):
         PolicyPlanner("churn_aware", 16, 1, 1, 4, {"previous_weight": None})
+
+
+def test_commit_margin_doubles_after_a_veto_and_shrinks_after_commits():
+    """A veto means the decision took longer than the margin; the next one gets twice the
+    margin (bounded), and commits bring it back toward the configured one."""
+    from eplb_graph.movement.agreement import VETO_REASON, Decision
+    from eplb_graph.movement.clock import StepClock
+    from eplb_graph.movement.delivery import PublishAtAgreedStep
+
+    class Scripted:
+        def __init__(self, decisions):
+            self.decisions = list(decisions)
+            self.proposals = []
+
+        def decide(self, round_key, ok, proposal, transport_failed):
+            self.proposals.append(proposal)
+            return self.decisions.pop(0)
+
+    veto = Decision(False, -1, f"rank 1 {VETO_REASON}")
+    other_abort = Decision(False, -1, "ranks [1] voted abort")
+    vetoes = [veto] * 8
+    commits = [Decision(True, 0, "ok")] * 60
+    agreement = Scripted([*vetoes, other_abort, *commits])
+    delivery = PublishAtAgreedStep(StepClock(), pool=None, publish=None, commit_margin_steps=4)
+    for round_index in range(len(agreement.decisions)):
+        delivery.deliver(agreement, f"r{round_index}", [], ok=True, transport_failed=False)
+    # The clock stays at step 0, so each proposal is the margin in force for that round.
+    assert agreement.proposals[:9] == [4, 8, 16, 32, 64, 128, 256, 256, 256]
+    assert agreement.proposals[9] == 256  # an abort that is not a veto changes nothing
+    shrinking = agreement.proposals[10:]
+    assert shrinking == sorted(shrinking, reverse=True) and shrinking[-1] == 4
+    assert delivery.margin == 4
+
+
+def test_commit_steps_never_go_backwards_when_the_margin_shrinks():
+    """Layers are installed in publication order; a later layer decided for an earlier step
+    than its predecessor would find that step passed."""
+    from eplb_graph.movement.agreement import Decision
+    from eplb_graph.movement.clock import StepClock
+    from eplb_graph.movement.delivery import PublishAtAgreedStep
+
+    class MaxOfProposal:
+        def __init__(self):
+            self.proposals = []
+
+        def decide(self, round_key, ok, proposal, transport_failed):
+            self.proposals.append(proposal)
+            return Decision(True, proposal, "ok")
+
+    clock = StepClock()
+    delivery = PublishAtAgreedStep(clock, pool=None, publish=None, commit_margin_steps=4)
+    delivery.margin = 64  # grown by earlier vetoes
+    agreement = MaxOfProposal()
+    for round_index in range(12):
+        clock.advance()
+        delivery.deliver(agreement, f"r{round_index}", [], ok=True, transport_failed=False)
+    assert agreement.proposals == sorted(agreement.proposals), agreement.proposals
+    assert delivery.margin < 64  # it did shrink meanwhile

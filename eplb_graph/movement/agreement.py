@@ -42,12 +42,20 @@ class DecisionTimeout(EplbError, RuntimeError):
     """The coordinator's decision did not arrive in time (the attempt is abandoned)."""
 
 
+VETO_REASON = "vetoed: fence reached"  # a main thread reached the fence before the decision
+
+
 @dataclass(frozen=True)
 class Decision:
     commit: bool
     step: int  # max proposed step (valid when commit)
     reason: str
     transport_failed: bool = False  # some rank's data group may be broken: all move on alike
+
+    @property
+    def vetoed(self) -> bool:
+        """Aborted because serving reached the fence before the ranks decided."""
+        return not self.commit and self.reason.endswith(VETO_REASON)
 
 
 def default_store():
@@ -113,7 +121,7 @@ class StoreAgreement:
     def veto(self, round_key: str) -> Decision:
         """Main thread at its fence: abort the round unless a decision already exists; returns
         the decision that stands (the veto, or the earlier commit/abort)."""
-        return _parse(self._propose(round_key, f"0,-1,0,rank {self.rank} vetoed: fence reached"))
+        return _parse(self._propose(round_key, f"0,-1,0,rank {self.rank} {VETO_REASON}"))
 
     def _propose(self, round_key: str, value: str) -> bytes:
         return self.store.compare_set(f"{round_key}/decision", "", value)

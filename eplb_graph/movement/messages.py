@@ -31,11 +31,14 @@ class PublishedLayer:
 class RearrangementFinished:
     """End marker of one rearrangement (processed by the main thread as soon as it is reached).
 
-    ``layers_published`` counts the layers this rearrangement handed over, so the scheduler can
-    tell when every one of them is installed.
+    ``layers_published`` counts the layers this rearrangement handed over; they are ahead of this
+    marker in the queue, so when the scheduler reaches it, every one of them is installed.
+    ``items_consumed`` counts the submitted windows (or the plan) this job took, several when a
+    backlog of windows was coalesced into one job.
     """
 
     generation: int
     ok: bool
     error: str | None
     layers_published: int = 0
+    items_consumed: int = 1

@@ -38,11 +38,11 @@ import torch.distributed as dist
 from eplb_graph.control.planning import plan_window
 from eplb_graph.control.window import WindowSnapshot, reduce_window
 from eplb_graph.movement.agreement import Decision, StoreAgreement
-from eplb_graph.movement.clock import StepClock
+from eplb_graph.movement.delivery import InstallNow, PublishAtAgreedStep
 from eplb_graph.movement.messages import PublishedLayer
 from eplb_graph.movement.planner import plan_transfer
 from eplb_graph.movement.settings import MovementSettings
-from eplb_graph.movement.staging import LayerInstaller, StagingPool, stage_reads_
+from eplb_graph.movement.staging import StagingPool, stage_reads_
 from eplb_graph.movement.transport import GlooStagedCommunicator, TransferError, probe_group
 from eplb_graph.state import EplbState
 
@@ -58,16 +58,23 @@ when not per layer); it may raise or sleep to inject a fault."""
 
 @dataclass(frozen=True)
 class WindowJob:
-    """Rebalance from a closed window's load (what the controller hands off)."""
+    """Rebalance from a closed window's load (what the controller hands off).
+
+    ``rows``: the window's rows already copied to the host (the worker copies them as soon as
+    the job is agreed); ``None``: the pipeline copies them first thing.
+    """
 
     snapshot: WindowSnapshot
+    rows: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
 class PlanJob:
-    """Move to an explicit placement ``phy2log [L, P]`` (every rank submits the same one)."""
+    """Move to an explicit placement ``phy2log [L, P]`` (every rank submits the same one, at the
+    same serving ``step``)."""
 
     phy2log: torch.Tensor
+    step: int = 0
 
 
 Job = WindowJob | PlanJob
@@ -87,7 +94,7 @@ class RebalanceStats:
     """Counters of the pipeline on this rank (plain values, for metrics)."""
 
     rearrangements_started: int = 0
-    rearrangements_completed: int = 0  # every changed layer delivered
+    rearrangements_completed: int = 0  # every changed layer delivered (see the runtime's count)
     rearrangements_aborted: int = 0
     rearrangements_noop: int = 0  # the plan equalled the committed placement
     layers_delivered: int = 0  # handed to the main thread (async) or installed (sync)
@@ -100,81 +107,6 @@ class RebalanceStats:
     last_hotness: dict | None = None  # committed vs planned peak-to-mean at the last window
     last_window_balancedness: float | None = None  # committed placement, last window's load
     window_balancedness: list[float] = field(default_factory=list)  # the last HISTORY windows
-
-
-class PublishAtAgreedStep:
-    """Async delivery: a fenced decision fixes the step every rank's main thread installs at.
-
-    The worker raises the clock's fence at ``now + commit_margin_steps`` and votes with it; the
-    decided step is the largest fence, so no rank's main thread has passed it. If serving
-    reaches the fence first, the main thread vetoes instead of waiting for a peer.
-    """
-
-    def __init__(
-        self,
-        clock: StepClock,
-        pool: StagingPool,
-        publish: Callable[[PublishedLayer], None],
-        commit_margin_steps: int,
-    ) -> None:
-        self.clock = clock
-        self.pool = pool
-        self.publish = publish
-        self.commit_margin_steps = commit_margin_steps
-
-    def deliver(
-        self,
-        agreement: StoreAgreement,
-        round_key: str,
-        staged: list[PublishedLayer],
-        ok: bool,
-        transport_failed: bool,
-    ) -> Decision:
-        fence = self.clock.raise_fence(self.commit_margin_steps, round_key)
-        try:
-            decision = agreement.decide(
-                round_key, ok=ok, proposal=fence, transport_failed=transport_failed
-            )
-            if decision.commit:
-                for item in staged:
-                    item.commit_step = decision.step
-                    self.pool.publish(item.block)
-                    self.publish(item)
-                staged = []
-            return decision
-        finally:
-            for item in staged:
-                self.pool.release(item.block)
-            self.clock.lower_fence()
-
-
-class InstallNow:
-    """Sync delivery: every rank is inside the same call, so a decision is all it takes; the
-    chunk is installed on the calling (main) thread before the decision call returns."""
-
-    def __init__(self, installer: LayerInstaller) -> None:
-        self.installer = installer
-
-    def deliver(
-        self,
-        agreement: StoreAgreement,
-        round_key: str,
-        staged: list[PublishedLayer],
-        ok: bool,
-        transport_failed: bool,
-    ) -> Decision:
-        pending = list(staged)
-        try:
-            decision = agreement.decide(round_key, ok=ok, transport_failed=transport_failed)
-            if decision.commit:
-                while pending:
-                    item = pending[0]
-                    self.installer.install_(item.layer, item.rank_plan, item.block, item.prepared)
-                    pending.pop(0)  # installed, and its block released by the installer
-            return decision
-        finally:
-            for item in pending:
-                self.installer.pool.release(item.block)
 
 
 class RebalancePipeline:
@@ -291,7 +223,8 @@ class RebalancePipeline:
         """The placement this job moves to (``old`` when planning failed or kept it)."""
         if isinstance(job, PlanJob):
             return job.phy2log if attempt.ok else old
-        rows = job.snapshot.copy_rows()  # before anything else: the buffer is reused
+        # Before anything else: the snapshot's buffer is reused two window closes later.
+        rows = job.rows if job.rows is not None else job.snapshot.copy_rows()
         if rows is None:
             attempt.fail("window snapshot was overwritten before the worker read it (worker late)")
         if group is None:

@@ -29,6 +29,8 @@ class SchedulerStats:
     fence_timeouts: int = 0
     rearrangements_finished: int = 0
     rearrangements_failed: int = 0
+    rearrangements_completed: int = 0  # ended ok with layers, every one of them installed
+    windows_committed: int = 0  # items (windows, plans) consumed by the completed ones
 
 
 class CommitScheduler:
@@ -57,7 +59,7 @@ class CommitScheduler:
         self.veto = veto
         self.fence_timeout_s = fence_timeout_s
         self.stats = SchedulerStats()
-        self.jobs_in_flight = 0  # handed to the worker and not finished yet (local only)
+        self.jobs_in_flight = 0  # items handed to the worker and not consumed by a finished job
         self._pending: deque[PublishedLayer | RearrangementFinished] = deque()
 
     def begin_step(self) -> list[int]:
@@ -108,7 +110,11 @@ class CommitScheduler:
         self.jobs_in_flight += 1
 
     def _finish(self, item: RearrangementFinished) -> None:
-        self.jobs_in_flight -= 1
+        self.jobs_in_flight -= item.items_consumed
         self.stats.rearrangements_finished += 1
         if not item.ok:
             self.stats.rearrangements_failed += 1
+        elif item.layers_published:
+            # The job's layers were ahead of this marker in the queue: all are installed now.
+            self.stats.rearrangements_completed += 1
+            self.stats.windows_committed += item.items_consumed

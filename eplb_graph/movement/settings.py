@@ -12,7 +12,8 @@ class MovementSettings:
     """Args:
     layers_per_step: layers committed together at one agreed step.
     commit_margin_steps: fence distance: serving steps a commit decision may take before the
-        main thread vetoes it.
+        main thread vetoes it. The smallest distance: after a veto the worker doubles it (up to
+        64 times this), and every commit shrinks it back by an eighth.
     exchange_timeout_s: longest wait for a peer in a point-to-point batch.
     agree_timeout_s: longest wait for a collective (window reduction, group probe) and, with
         ``exchange_timeout_s``, for the votes of a decision.
