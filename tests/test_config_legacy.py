@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from eplb_graph import Placement
@@ -93,7 +95,7 @@ def test_legacy_record_path_rules(tmp_path):
 
 
 def test_legacy_record_directory_must_be_writable(tmp_path, monkeypatch):
-    monkeypatch.setattr("eplb_graph.integrations.settings.legacy.os.access", lambda *_args: False)
+    monkeypatch.setattr("eplb_graph.integrations.settings.paths.os.access", lambda *_args: False)
     with raises("additional_config.eplb_config.expert_map_record_path", "is not writable"):
         resolve(additional_config=legacy(expert_map_record_path=str(tmp_path / "m.json")))
 
@@ -108,6 +110,37 @@ def test_legacy_static_map_path_rules(tmp_path, monkeypatch):
     with raises(field, "is not a regular file"):
         resolve(additional_config=legacy(expert_map_path=str(tmp_path / "dir.json")))
     path = write_map(tmp_path / "map.json", Placement.default(1, 64, 0, 4))
-    monkeypatch.setattr("eplb_graph.integrations.settings.legacy.os.access", lambda *_args: False)
+    monkeypatch.setattr("eplb_graph.integrations.settings.paths.os.access", lambda *_args: False)
     with raises(field, "is not readable"):
+        resolve(additional_config=legacy(expert_map_path=path))
+
+
+def test_legacy_static_map_file_rules_are_the_loaders(tmp_path):
+    """A FIFO, a device and an oversize file are refused from their metadata (never opened)."""
+    from eplb_graph.expert_map import MAX_EXPERT_MAP_BYTES
+
+    field = "additional_config.eplb_config.expert_map_path"
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    with raises(field, r"'.*fifo\.json' is a FIFO \(named pipe\), not a regular file"):
+        resolve(additional_config=legacy(expert_map_path=str(fifo)))
+    device = tmp_path / "zero.json"
+    device.symlink_to("/dev/zero")
+    with raises(field, r"is a character device \(the link resolves to /dev/zero\)"):
+        resolve(additional_config=legacy(expert_map_path=str(device)))
+    huge = tmp_path / "huge.json"
+    with huge.open("wb") as handle:
+        handle.truncate(MAX_EXPERT_MAP_BYTES + 1)
+    with raises(field, f"is {MAX_EXPERT_MAP_BYTES + 1} bytes, over the {MAX_EXPERT_MAP_BYTES}"):
+        resolve(additional_config=legacy(expert_map_path=str(huge)))
+
+
+def test_legacy_static_map_refused_while_loading_is_a_config_error(tmp_path, monkeypatch):
+    """The file checked at configuration time can change before it is loaded: the loader's own
+    refusal (an OSError) still becomes a ConfigError naming the field."""
+    from eplb_graph import expert_map
+
+    path = write_map(tmp_path / "map.json", Placement.default(1, 64, 0, 4))
+    monkeypatch.setattr(expert_map, "MAX_EXPERT_MAP_BYTES", 16)
+    with raises("additional_config.eplb_config.expert_map_path", r"cannot read .*over the 16-byte"):
         resolve(additional_config=legacy(expert_map_path=path))

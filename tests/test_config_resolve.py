@@ -276,7 +276,7 @@ def test_legacy_static_map_content_is_validated_at_init(tmp_path):
     with raises(field, r"invalid expert map: .*malformed JSON at line 1"):
         resolve(additional_config=legacy(expert_map_path=str(path)))
     write_map(path, Placement.default(1, 64, 0, 4))
-    with raises(field, r"invalid expert map: .*logical expert 64 is on no device"):
+    with raises(field, r"invalid expert map: .*N=65 logical experts but a layer has only 64 slots"):
         resolve(additional_config=legacy(expert_map_path=str(path)), num_experts=65)
 
 
