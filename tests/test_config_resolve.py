@@ -81,6 +81,16 @@ def test_resolve_rejects_bad_model_sizes():
         resolve(enable_eplb=True, num_experts=0)
 
 
+def test_resolve_model_sizes_have_documented_maxima():
+    resolve(enable_eplb=True, num_experts=2**16, ep_size=2**16)
+    with raises("num_experts", "must be <= 65536, got 65537"):
+        resolve(enable_eplb=True, num_experts=2**16 + 1)
+    with raises("ep_size", "must be <= 65536, got 65537"):
+        resolve(enable_eplb=True, num_experts=2**16, ep_size=2**16 + 1)
+    with raises("ep_size", "must be > 1, got -an integer of 16610 bits"):
+        resolve(enable_eplb=True, ep_size=-(10**5000))
+
+
 def test_resolve_v2_slots_must_divide_over_ep_ranks():
     with raises(
         "eplb_config.num_redundant_experts",
