@@ -12,15 +12,17 @@ global slot ``p = device_id * S + k`` (``S`` slots per device) and ``phy2log[l, 
 Why strict: upstream checks only the file suffix and existence, and a hand-edited map with a
 missing expert or a duplicated slot loads "fine" and then routes tokens to the wrong weights. Here
 every defect is an :class:`ExpertMapError` naming the layer, device and slot, raised before a
-a placement exists. Why atomic: the record mode rewrites the map every
-rebalance cycle; a crash mid-write must leave the previous map, never half of a new one.
+placement exists. Why bounded: a map path can name anything (a FIFO that never ends, a link to
+``/dev/zero``, a file with one id of 10**9), so reading refuses what is not a regular file, caps
+the bytes read and the size of every number, and checks every id before allocating anything sized
+by one. Why atomic: the record mode rewrites the map every rebalance cycle; a crash mid-write must
+leave the previous map, never half of a new one.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -28,7 +30,16 @@ from typing import Any, NamedTuple, NoReturn
 
 import torch
 
+from eplb_graph import strict_json
+from eplb_graph.safe_files import RefusedFileError, read_regular_file, write_text_atomically
 from eplb_graph.tables import PlacementError, replica_counts, validate_phy2log
+
+#: The largest expert-map file read, in bytes. Real maps are small (58 layers x 32 devices x 9
+#: slots is about 20 KB); the cap bounds what a wrong path or a hostile file can cost.
+MAX_EXPERT_MAP_BYTES = 64 << 20
+#: The longest integer literal read, in digits: a longer one cannot fit the int64 table (shorter
+#: ones that do not fit are refused at their layer, device and slot).
+MAX_INTEGER_DIGITS = 20
 
 _TOP_KEYS = ("moe_layer_count", "layer_list")
 _LAYER_KEYS = ("layer_id", "device_count", "device_list")
@@ -74,6 +85,19 @@ def _rebuild_error(problem: str, kwargs: dict[str, Any]) -> ExpertMapError:
     return ExpertMapError(problem, **kwargs)
 
 
+class ExpertMapFileError(RefusedFileError):
+    """A path cannot be read as an expert map: not a regular file (after symlinks), or larger
+    than :data:`MAX_EXPERT_MAP_BYTES`; refused before its content is read.
+
+    An ``OSError`` (through :class:`~eplb_graph.safe_files.RefusedFileError`), not an
+    :class:`ExpertMapError`: like a missing file it is input that cannot be read (fix the path),
+    not a map whose content is wrong (fix the map), so ``eplb-graph map validate`` exits 2 for it.
+    """
+
+    def __str__(self) -> str:
+        return f"expert map {self.path}: {self.problem}"
+
+
 class ExpertMapTable(NamedTuple):
     """An expert map's content: ``phy2log [L, P]`` int64 and its shape facts.
 
@@ -98,9 +122,13 @@ def load_expert_map(path: str | os.PathLike, num_logical: int | None = None) -> 
 
     Raises:
         OSError: the file cannot be read (missing, a directory, permissions).
+        ExpertMapFileError: an ``OSError`` too: the path (after symlinks) is not a regular file
+            (a FIFO, a device, a socket), or it holds more than :data:`MAX_EXPERT_MAP_BYTES`.
         ExpertMapError: the content is not a valid map.
     """
-    raw = Path(path).read_bytes()
+    raw = read_regular_file(
+        path, max_bytes=MAX_EXPERT_MAP_BYTES, what="an expert map", error=ExpertMapFileError
+    )
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -111,25 +139,10 @@ def load_expert_map(path: str | os.PathLike, num_logical: int | None = None) -> 
 
 
 def _parse_json(text: str, path: str | os.PathLike | None) -> Any:
-    def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        result: dict[str, Any] = {}
-        for key, value in pairs:
-            if key in result:
-                raise ExpertMapError(
-                    f"duplicate key {key!r} in one JSON object; keep one", path=path
-                )
-            result[key] = value
-        return result
-
-    def reject_constant(name: str) -> NoReturn:
-        raise ExpertMapError(f"{name} is not valid JSON; expert ids are integers", path=path)
-
     try:
-        return json.loads(text, object_pairs_hook=unique_keys, parse_constant=reject_constant)
-    except json.JSONDecodeError as error:
-        raise ExpertMapError(
-            f"malformed JSON at line {error.lineno}, column {error.colno}: {error.msg}", path=path
-        ) from None
+        return strict_json.loads(text, max_integer_digits=MAX_INTEGER_DIGITS)
+    except strict_json.StrictJsonError as error:
+        raise ExpertMapError(str(error), path=path) from None
 
 
 class _Checker:
@@ -159,6 +172,9 @@ class _Checker:
             self.fail(
                 f"{what} must be an integer, got {_json_type(value)} {_short(value)}", **where
             )
+        if value.bit_length() > 63:  # the table is int64; no valid id or count comes close
+            shown = value if value.bit_length() <= 128 else f"of {value.bit_length()} bits"
+            self.fail(f"{what} {shown} does not fit in a 64-bit integer", **where)
         return value
 
     def array(self, value: Any, what: str, **where: int | None) -> list:
@@ -184,7 +200,10 @@ def _json_type(value: Any) -> str:
 
 
 def _short(value: Any) -> str:
-    text = json.dumps(value)
+    """A bounded quote of a value: containers are elided, not serialized."""
+    if isinstance(value, (list, dict)):
+        return "[...]" if isinstance(value, list) else "{...}"
+    text = json.dumps(value[:40] if isinstance(value, str) else value)
     return text if len(text) <= 40 else text[:37] + "..."
 
 
@@ -203,7 +222,8 @@ def parse_expert_map(
     if num_logical is not None and (
         isinstance(num_logical, bool) or not isinstance(num_logical, int) or num_logical < 1
     ):
-        raise ValueError(f"num_logical must be an integer >= 1, got {num_logical!r}")
+        # A wrong argument, not a wrong map: a PlacementError (a ValueError), not ExpertMapError.
+        raise PlacementError(f"num_logical must be an integer >= 1, got {num_logical!r}")
     check = _Checker(path)
     top = check.object(document, "the document", _TOP_KEYS)
     layer_count = check.integer(top["moe_layer_count"], "moe_layer_count")
@@ -329,7 +349,13 @@ def _first(mask: torch.Tensor) -> tuple[int, ...]:
 
 
 def _check_ids(check: _Checker, experts: torch.Tensor, num_logical: int | None) -> int:
-    """Range-check ids against N (given, or inferred as max id + 1); returns N."""
+    """Range-check ids against N (given, or inferred as max id + 1); returns N.
+
+    Runs before anything sized by an id or by N is allocated. Every expert needs a slot in every
+    layer, so N cannot exceed a layer's ``P`` slots: an id >= P is refused here, naming it, rather
+    than inferred into an N that sizes a ``[L, N]`` count table (an id of 10**9 would ask for
+    gigabytes before any message).
+    """
     negative = experts < 0
     if bool(negative.any()):
         layer, device, slot = _first(negative)
@@ -340,19 +366,30 @@ def _check_ids(check: _Checker, experts: torch.Tensor, num_logical: int | None) 
             device=device,
             slot=slot,
         )
-    if num_logical is None:
-        return int(experts.max()) + 1
-    too_large = experts >= num_logical
+    _num_layers, num_devices, slots = experts.shape
+    num_slots = num_devices * slots
+    if num_logical is not None and num_logical > num_slots:  # before comparing ids with it
+        check.fail(
+            f"the model has N={num_logical} logical experts but a layer has only {num_slots} "
+            "slots; every expert needs at least one slot in every layer"
+        )
+    limit = num_slots if num_logical is None else num_logical
+    too_large = experts >= limit
     if bool(too_large.any()):
         layer, device, slot = _first(too_large)
-        check.fail(
-            f"expert id {int(experts[layer, device, slot])} is out of range [0, {num_logical}) "
-            f"for a model with {num_logical} logical experts",
-            layer=layer,
-            device=device,
-            slot=slot,
-        )
-    return num_logical
+        expert = int(experts[layer, device, slot])
+        if num_logical is None:
+            problem = (
+                f"expert id {expert} is too large for a map of {num_slots} slots per layer: every "
+                f"expert 0..max id needs a slot in every layer, so ids are < {num_slots}"
+            )
+        else:
+            problem = (
+                f"expert id {expert} is out of range [0, {num_logical}) for a model with "
+                f"{num_logical} logical experts"
+            )
+        check.fail(problem, layer=layer, device=device, slot=slot)
+    return int(experts.max()) + 1 if num_logical is None else num_logical
 
 
 def _check_no_duplicates_per_device(check: _Checker, experts: torch.Tensor) -> None:
@@ -437,43 +474,4 @@ def save_expert_map(
     """
     document = expert_map_document(phy2log, num_ranks)
     parse_expert_map(document, num_logical=num_logical, path=path)
-    _atomic_write_text(Path(path), _format(document))
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    directory = path.parent
-    mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
-    handle = tempfile.NamedTemporaryFile(  # noqa: SIM115 (closed explicitly before the replace)
-        mode="w",
-        encoding="utf-8",
-        dir=directory,
-        prefix=f".{path.name}.",
-        suffix=".tmp",
-        delete=False,
-    )
-    temporary = Path(handle.name)
-    try:
-        with handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(temporary, mode)
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    _fsync_directory(directory)
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Persist the rename itself (POSIX); a no-op where directories cannot be opened."""
-    try:
-        descriptor = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(descriptor)
-    except OSError:
-        pass
-    finally:
-        os.close(descriptor)
+    write_text_atomically(Path(path), _format(document))

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
+
+import pytest
 
 from eplb_graph.integrations.settings import EplbConfig, EplbPath, parse_cli_args
 from tests.config_helpers import NAMES, legacy, raises
@@ -146,3 +149,88 @@ def test_parse_stops_at_double_dash():
     args = parse_cli_args(["--enable-eplb", "--", "--eplb-config.window_size", "x"])
     assert args.enable_eplb and args.eplb_config is None
     assert args.rest == ("--", "--eplb-config.window_size", "x")
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["1_000", "\uff11\uff10\uff10\uff10", "+5", "\u0661\u0660", "0x10", "1e3", "5.0", "\u30005"],
+    ids=["underscore", "full-width", "plus", "arabic-indic", "hex", "exponent", "float", "ideo"],
+)
+def test_parse_integer_text_is_plain_ascii_decimal(text):
+    """``int()`` takes '1_000', '+5' and other scripts' digits; a setting takes only 0-9."""
+    with raises("eplb_config.window_size", re.escape(f"expected an integer, got {text!r}")):
+        parse_cli_args(["--eplb-config.window_size", text])
+
+
+def test_parse_integer_text_neighbours_still_accepted():
+    args = parse_cli_args(["--eplb-config.window_size", " 1000\t", "--eplb-config.step_interval=7"])
+    assert args.eplb_config == {"window_size": 1000, "step_interval": 7}
+    with raises("eplb_config.window_size", "must be >= 1, got -5"):
+        parse_cli_args(["--eplb-config.window_size", "-5"])
+    with raises("eplb_config.window_size", "must be <= 1048576, got 1048577"):
+        parse_cli_args(["--eplb-config.window_size", "1048577"])
+    with raises("eplb_config.step_interval", "got '1000000000000000000000000000000'; 31 digits"):
+        parse_cli_args(["--eplb-config.step_interval", str(10**30)])
+
+
+def test_parse_ten_to_the_thirty_in_json_is_rejected_with_the_bound():
+    with raises("eplb_config.window_size", f"must be <= 1048576, got {10**30}"):
+        parse_cli_args(["--eplb-config", json.dumps({"window_size": 10**30})])
+    with raises("eplb_config.step_interval", f"must be <= 2147483647, got {10**30}"):
+        parse_cli_args(["--eplb-config", json.dumps({"step_interval": 10**30})])
+
+
+def test_parse_duplicate_json_keys_are_rejected_naming_the_key():
+    """The documented rule "a field given twice is an error" holds inside one JSON object too."""
+    with raises("eplb_config.window_size", "duplicate key 'window_size' in one JSON object"):
+        parse_cli_args(["--eplb-config", '{"window_size": 5, "window_size": 600}'])
+    with raises(
+        "additional_config.eplb_config.dynamic_eplb", "duplicate key 'dynamic_eplb'.*--additional"
+    ):
+        parse_cli_args(
+            [
+                "--additional-config",
+                '{"eplb_config": {"dynamic_eplb": true, "dynamic_eplb": false}}',
+            ]
+        )
+    with raises("additional_config.eplb_config", "duplicate key 'eplb_config'"):
+        parse_cli_args(["--additional-config", '{"eplb_config": {}, "eplb_config": {}}'])
+    with raises("additional_config.other[1].seed", "duplicate key 'seed'"):
+        parse_cli_args(["--additional-config", '{"other": [{}, {"seed": 1, "seed": 1}]}'])
+
+
+def test_parse_duplicate_neighbours_are_unchanged():
+    with raises("eplb_config.window_size", r"given twice \(--eplb-config.window_size and --eplb"):
+        parse_cli_args(["--eplb-config.window_size", "5", "--eplb-config", '{"window_size": 6}'])
+    args = parse_cli_args(
+        ["--eplb-config", '{"window_size": 5}', "--eplb-config", '{"step_interval": 6}']
+    )
+    assert args.eplb_config == {"window_size": 5, "step_interval": 6}
+    args = parse_cli_args(["--additional-config", '{"a": {"k": 1}, "b": {"k": 1}}'])
+    assert args.additional_config == {"a": {"k": 1}, "b": {"k": 1}}
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--enable-eplb", "--enable-eplb=false"],
+        ["--enable-eplb=false", "--enable-eplb"],
+        ["--enable-eplb", "--enable_eplb"],
+        ["--enable-eplb=true", "serve", "--enable-eplb=true"],
+    ],
+)
+def test_parse_enable_eplb_given_twice_is_rejected(argv):
+    with raises("enable_eplb", "given twice"):
+        parse_cli_args(argv)
+
+
+def test_parse_json_nesting_and_number_size_are_bounded():
+    with raises("additional_config", "nested too deeply"):
+        parse_cli_args(["--additional-config", '{"x": ' + "[" * 100_000])
+    with raises("additional_config.other", "integer 1000.* has 5001 digits, more than the 100"):
+        parse_cli_args(["--additional-config", '{"other": 1' + "0" * 5000 + "}"])
+    with raises("eplb_config.window_size", "has 101 digits"):
+        parse_cli_args(["--eplb-config", '{"window_size": 1' + "0" * 100 + "}"])
+    # Other features' values are theirs: NaN is left to them, as a lenient parser would.
+    args = parse_cli_args(["--additional-config", '{"other": NaN}'])
+    assert args.additional_config["other"] != args.additional_config["other"]

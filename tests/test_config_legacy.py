@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from eplb_graph import Placement
@@ -110,4 +112,70 @@ def test_legacy_static_map_path_rules(tmp_path, monkeypatch):
     path = write_map(tmp_path / "map.json", Placement.default(1, 64, 0, 4))
     monkeypatch.setattr("eplb_graph.integrations.settings.paths.os.access", lambda *_args: False)
     with raises(field, "is not readable"):
+        resolve(additional_config=legacy(expert_map_path=path))
+
+
+@pytest.mark.parametrize(
+    ("key", "maximum"),
+    [
+        ("expert_heat_collection_interval", 2**20),
+        ("algorithm_execution_interval", 2**31 - 1 - 2**20),
+        ("num_redundant_experts", 2**16),
+    ],
+)
+def test_legacy_every_integer_has_a_documented_maximum(key, maximum):
+    assert getattr(LegacyEplbConfig(**{key: maximum}), key) == maximum
+    with raises(f"additional_config.eplb_config.{key}", rf"must be <= {maximum}, got {10**30}$"):
+        resolve(additional_config=legacy(dynamic_eplb=True, **{key: 10**30}))
+    with raises(f"additional_config.{key}", rf"must be <= {maximum}, got {maximum + 1}$"):
+        resolve(additional_config={"dynamic_eplb": True, key: maximum + 1})
+
+
+def test_legacy_longest_cycle_fits_the_step_bound():
+    """The rearrangement interval is collection + algorithm steps; at both maxima it is still
+    within the step bound the V2 ``step_interval`` has."""
+    from eplb_graph.integrations.settings import control_settings_from_legacy
+    from eplb_graph.integrations.settings.fields import MAX_STEPS, MAX_WINDOW_STEPS
+
+    config = LegacyEplbConfig(
+        dynamic_eplb=True,
+        expert_heat_collection_interval=MAX_WINDOW_STEPS,
+        algorithm_execution_interval=MAX_STEPS - MAX_WINDOW_STEPS,
+    )
+    assert control_settings_from_legacy(config).step_interval == MAX_STEPS
+
+
+def test_legacy_huge_policy_type_is_described_not_printed():
+    with raises("additional_config.eplb_config.eplb_policy_type", "got an integer of 16610 bits"):
+        resolve(additional_config=legacy(dynamic_eplb=True, eplb_policy_type=10**5000))
+
+
+def test_legacy_static_map_file_rules_are_the_loaders(tmp_path):
+    """A FIFO, a device and an oversize file are refused from their metadata (never opened)."""
+    from eplb_graph.expert_map import MAX_EXPERT_MAP_BYTES
+
+    field = "additional_config.eplb_config.expert_map_path"
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    with raises(field, r"'.*fifo\.json' is a FIFO \(named pipe\), not a regular file"):
+        resolve(additional_config=legacy(expert_map_path=str(fifo)))
+    device = tmp_path / "zero.json"
+    device.symlink_to("/dev/zero")
+    with raises(field, r"is a character device \(the link resolves to /dev/zero\)"):
+        resolve(additional_config=legacy(expert_map_path=str(device)))
+    huge = tmp_path / "huge.json"
+    with huge.open("wb") as handle:
+        handle.truncate(MAX_EXPERT_MAP_BYTES + 1)
+    with raises(field, f"is {MAX_EXPERT_MAP_BYTES + 1} bytes, over the {MAX_EXPERT_MAP_BYTES}"):
+        resolve(additional_config=legacy(expert_map_path=str(huge)))
+
+
+def test_legacy_static_map_refused_while_loading_is_a_config_error(tmp_path, monkeypatch):
+    """The file checked at configuration time can change before it is loaded: the loader's own
+    refusal (an OSError) still becomes a ConfigError naming the field."""
+    from eplb_graph import expert_map
+
+    path = write_map(tmp_path / "map.json", Placement.default(1, 64, 0, 4))
+    monkeypatch.setattr(expert_map, "MAX_EXPERT_MAP_BYTES", 16)
+    with raises("additional_config.eplb_config.expert_map_path", r"cannot read .*over the 16-byte"):
         resolve(additional_config=legacy(expert_map_path=path))

@@ -81,6 +81,16 @@ def test_resolve_rejects_bad_model_sizes():
         resolve(enable_eplb=True, num_experts=0)
 
 
+def test_resolve_model_sizes_have_documented_maxima():
+    resolve(enable_eplb=True, num_experts=2**16, ep_size=2**16)
+    with raises("num_experts", "must be <= 65536, got 65537"):
+        resolve(enable_eplb=True, num_experts=2**16 + 1)
+    with raises("ep_size", "must be <= 65536, got 65537"):
+        resolve(enable_eplb=True, num_experts=2**16, ep_size=2**16 + 1)
+    with raises("ep_size", "must be > 1, got -an integer of 16610 bits"):
+        resolve(enable_eplb=True, ep_size=-(10**5000))
+
+
 def test_resolve_v2_slots_must_divide_over_ep_ranks():
     with raises(
         "eplb_config.num_redundant_experts",
@@ -276,7 +286,7 @@ def test_legacy_static_map_content_is_validated_at_init(tmp_path):
     with raises(field, r"invalid expert map: .*malformed JSON at line 1"):
         resolve(additional_config=legacy(expert_map_path=str(path)))
     write_map(path, Placement.default(1, 64, 0, 4))
-    with raises(field, r"invalid expert map: .*logical expert 64 is on no device"):
+    with raises(field, r"invalid expert map: .*N=65 logical experts but a layer has only 64 slots"):
         resolve(additional_config=legacy(expert_map_path=str(path)), num_experts=65)
 
 

@@ -93,3 +93,48 @@ def test_v2_json_values_are_not_guessed_from_strings():
 def test_v2_phase_choices_are_the_control_planes_collection_phases():
     choices = EplbConfig.__dataclass_fields__["load_collection_phase"].metadata["choices"]
     assert choices == tuple(phase.value for phase in CollectionPhase)
+
+
+@pytest.mark.parametrize(
+    ("key", "maximum"),
+    [
+        ("window_size", 2**20),
+        ("step_interval", 2**31 - 1),
+        ("num_redundant_experts", 2**16),
+        ("log_balancedness_interval", 2**31 - 1),
+    ],
+)
+def test_v2_every_integer_has_a_documented_maximum(key, maximum):
+    """An unbounded value is accepted at initialization and fails later, far from its cause."""
+    assert getattr(EplbConfig(**{key: maximum}), key) == maximum
+    with raises(f"eplb_config.{key}", rf"must be <= {maximum}, got {maximum + 1}$"):
+        EplbConfig(**{key: maximum + 1})
+    with raises(f"eplb_config.{key}", rf"must be <= {maximum}, got {10**30}$"):
+        EplbConfig.from_mapping({key: 10**30})
+    # str() of an integer past 4300 digits raises; the message describes it instead.
+    with raises(f"eplb_config.{key}", rf"must be <= {maximum}, got an integer of 16610 bits$"):
+        EplbConfig.from_mapping({key: 10**5000})
+
+
+def test_v2_window_and_interval_of_ten_to_the_thirty_are_rejected_at_construction():
+    with raises("eplb_config.window_size", "must be <= 1048576"):
+        EplbConfig(window_size=10**30, step_interval=10**30)
+    with raises("eplb_config.step_interval", "must be <= 2147483647"):
+        EplbConfig(step_interval=10**30)
+
+
+def test_v2_maxima_are_the_documented_constants():
+    from eplb_graph.integrations.settings import fields
+
+    assert (fields.MAX_STEPS, fields.MAX_WINDOW_STEPS, fields.MAX_EXPERTS) == (
+        2**31 - 1,
+        2**20,
+        2**16,
+    )
+    for key, maximum in [
+        ("window_size", fields.MAX_WINDOW_STEPS),
+        ("step_interval", fields.MAX_STEPS),
+        ("num_redundant_experts", fields.MAX_EXPERTS),
+        ("log_balancedness_interval", fields.MAX_STEPS),
+    ]:
+        assert EplbConfig.__dataclass_fields__[key].metadata["maximum"] == maximum

@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import os
 import pickle
+import subprocess
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from eplb_graph import Placement, PlacementError, cli
+from eplb_graph import EplbError, Placement, PlacementError, cli, safe_files
 from eplb_graph import expert_map as expert_map_module
 from eplb_graph.expert_map import (
+    MAX_EXPERT_MAP_BYTES,
     ExpertMapError,
+    ExpertMapFileError,
     expert_map_document,
     load_expert_map,
     parse_expert_map,
@@ -78,6 +84,232 @@ def test_unreadable_file_is_an_os_error_not_a_map_error(tmp_path):
         load_expert_map(tmp_path / "missing.json")
     with pytest.raises(IsADirectoryError):
         load_expert_map(tmp_path)
+
+
+# -- hostile files: bounded time and memory --------------------------------------------------------
+def _load_with_deadline(path: Path, seconds: float = 20.0) -> BaseException | None:
+    """``load_expert_map(path)`` in a thread; fails the test (after unblocking a FIFO reader)
+    if it has not returned within ``seconds``."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            load_expert_map(path)
+        except BaseException as error:  # handed to the test thread
+            outcome.append(error)
+        else:
+            outcome.append(None)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        descriptor = os.open(path, os.O_WRONLY | os.O_NONBLOCK)  # hands the reader an EOF
+        os.close(descriptor)
+        thread.join(5)
+        pytest.fail(f"load_expert_map({path}) was still blocked after {seconds} s")
+    return outcome[0]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_fifo_is_refused_without_blocking(tmp_path):
+    fifo = tmp_path / "map.json"
+    os.mkfifo(fifo)
+    error = _load_with_deadline(fifo)
+    assert isinstance(error, ExpertMapFileError), error
+    assert "is a FIFO (named pipe), not a regular file" in str(error)
+    link = tmp_path / "link.json"
+    link.symlink_to(fifo)
+    assert "is a FIFO" in str(_load_with_deadline(link))
+
+
+def test_refused_file_is_an_os_error_and_an_eplb_error_not_a_map_error(tmp_path):
+    """Unreadable input (fix the path) stays apart from a bad map (fix the map)."""
+    link = tmp_path / "map.json"
+    link.symlink_to(os.devnull)
+    with pytest.raises(ExpertMapFileError) as info:
+        Placement.load_expert_map(link)
+    error = info.value
+    assert isinstance(error, OSError) and isinstance(error, EplbError)
+    assert not isinstance(error, ExpertMapError)
+    assert (error.errno, error.filename, error.path) == (errno.EINVAL, str(link), str(link))
+    assert error.strerror.startswith("is a character device (the link resolves to /dev/null)")
+    assert str(error) == f"expert map {link}: {error.strerror}"
+    copy_ = pickle.loads(pickle.dumps(error))
+    assert type(copy_) is ExpertMapFileError and str(copy_) == str(error)
+    assert copy_.errno == errno.EINVAL
+
+
+def test_oversize_file_is_refused_before_reading(tmp_path):
+    path = tmp_path / "map.json"
+    with path.open("wb") as handle:
+        handle.truncate(MAX_EXPERT_MAP_BYTES + 1)  # sparse: costs no disk
+    with pytest.raises(ExpertMapFileError, match=f"over the {MAX_EXPERT_MAP_BYTES}-byte limit"):
+        load_expert_map(path)
+    assert MAX_EXPERT_MAP_BYTES == 64 << 20
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="needs /proc")
+def test_a_file_larger_than_its_reported_size_is_cut_at_the_cap(monkeypatch):
+    """``/proc`` files report 0 bytes: the cap holds for the bytes actually read."""
+    monkeypatch.setattr(expert_map_module, "MAX_EXPERT_MAP_BYTES", 64)
+    with pytest.raises(ExpertMapFileError, match="is more than 64 bytes, over the 64-byte limit"):
+        load_expert_map("/proc/self/status")
+
+
+# One child process loads each hostile file under an address-space limit (so a regression fails
+# the test instead of exhausting the machine) and reports what it raised, how long it took and how
+# much its peak memory grew.
+_CHILD = r"""
+import json, resource, sys, time
+from eplb_graph.expert_map import load_expert_map
+resource.setrlimit(resource.RLIMIT_AS, (int(sys.argv[1]), resource.RLIM_INFINITY))
+for path in sys.argv[2:]:
+    before, start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, time.monotonic()
+    try:
+        load_expert_map(path)
+        kinds, message = [], ""
+    except BaseException as error:
+        kinds, message = [kind.__name__ for kind in type(error).__mro__], str(error)
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    print(json.dumps({"path": path, "kinds": kinds, "message": message,
+                      "seconds": time.monotonic() - start, "grown_kib": grown}), flush=True)
+"""
+
+
+def _address_space_now() -> int:
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("VmSize:"))
+    return int(line.split()[1]) * 1024
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="uses /proc and RLIMIT_AS")
+def test_hostile_files_cost_bounded_time_and_memory(tmp_path):
+    """A FIFO, a link to /dev/zero and one huge id in a 300-byte map: each refused in well under
+    a second with no memory growth (the unbounded reader blocked, read until memory ran out, and
+    allocated a [L, id] table: 5.2 GB for an id of 10**8)."""
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    zero = tmp_path / "zero.json"
+    zero.symlink_to("/dev/zero")
+    paths = [str(fifo), str(zero)]
+    for expert in (10**8, 3 * 10**9, 2**62):
+        doc = document(layers=1, experts=6, redundant=2, devices=2)
+        doc["layer_list"][0]["device_list"][1]["device_expert"][2] = expert
+        path = tmp_path / f"id-{expert}.json"
+        path.write_text(json.dumps(doc))
+        paths.append(str(path))
+    # The child's imports already hold most of its address space; allow 4 GiB more.
+    limit = _address_space_now() + (4 << 30)
+    environment = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    try:
+        finished = subprocess.run(
+            [sys.executable, "-c", _CHILD, str(limit), *paths],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env=environment,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("loading the hostile files did not finish within 180 s (a FIFO blocked?)")
+    reports = {report["path"]: report for report in map(json.loads, finished.stdout.splitlines())}
+    assert len(reports) == len(paths), finished.stderr[-2000:]
+    assert "ExpertMapFileError" in reports[str(fifo)]["kinds"]
+    assert "character device (the link resolves to /dev/zero)" in reports[str(zero)]["message"]
+    for expert, path in zip((10**8, 3 * 10**9, 2**62), paths[2:], strict=True):
+        report = reports[path]
+        assert report["kinds"][0] == "ExpertMapError", report
+        assert f"layer 0, device 1, slot 2: expert id {expert} is too large" in report["message"]
+    for report in reports.values():
+        assert report["seconds"] < 5, report
+        assert report["grown_kib"] < 64 * 1024, report
+
+
+def test_huge_ids_are_refused_before_anything_sized_by_them():
+    """Inferred N = max id + 1 would size a [L, N] table; a given N larger than the slots too."""
+    doc = document(layers=2, experts=6, redundant=2, devices=2)
+    doc["layer_list"][1]["device_list"][0]["device_expert"][1] = 2**62
+    fails(
+        doc,
+        r"layer 1, device 0, slot 1: expert id 4611686018427387904 is too large for a map of 8 "
+        r"slots per layer: every expert 0..max id needs a slot in every layer, so ids are < 8",
+        layer=1,
+        device=0,
+        slot=1,
+    )
+    # A given N past int64 is compared with no id (torch would overflow or wrap).
+    for num_logical in (9, 10**12, 2**63 - 1, 2**63, 2**70):
+        fails(
+            document(layers=2, experts=6, redundant=2, devices=2),
+            f"the model has N={num_logical} logical experts but a layer has only 8 slots",
+            num_logical=num_logical,
+        )
+
+
+def test_deep_nesting_is_a_map_error(tmp_path):
+    path = tmp_path / "map.json"
+    for text in ("[" * 100_000, '{"layer_list": ' * 50_000):
+        path.write_text(text)
+        with pytest.raises(ExpertMapError, match="nested too deeply"):
+            load_expert_map(path)
+
+
+def test_huge_integer_literals_are_map_errors_naming_where(tmp_path):
+    path = tmp_path / "map.json"
+    path.write_text('{"moe_layer_count": 1' + "0" * 10_000 + ', "layer_list": []}')
+    with pytest.raises(ExpertMapError, match=r"moe_layer_count: integer 1000.* has 10001 digits"):
+        load_expert_map(path)
+    doc = document(layers=1)
+    doc["layer_list"][0]["device_list"][1]["device_expert"][2] = 10**30
+    path.write_text(json.dumps(doc))
+    with pytest.raises(
+        ExpertMapError,
+        match=r"layer_list\[0\]\.device_list\[1\]\.device_expert\[2\]: integer 1000.* 31 digits",
+    ):
+        load_expert_map(path)
+    doc["layer_list"][0]["device_list"][1]["device_expert"][2] = 10**20 - 1  # 20 digits: read
+    path.write_text(json.dumps(doc))
+    with pytest.raises(
+        ExpertMapError, match="slot 2: expert id 99999999999999999999 does not fit in a 64-bit"
+    ):
+        load_expert_map(path)
+    doc["layer_list"][0]["device_count"] = 2**70
+    fails(doc, "layer 0: device_count 1180591620717411303424 does not fit in a 64-bit", layer=0)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"\xc0\xaf", b'{"moe_layer_count": "\xed\xa0\x80"}', "{}".encode("utf-16")],
+    ids=["overlong", "surrogate", "utf-16"],
+)
+def test_text_that_is_not_utf8_is_a_map_error(tmp_path, raw):
+    path = tmp_path / "map.json"
+    path.write_bytes(raw)
+    with pytest.raises(ExpertMapError, match="not UTF-8 text"):
+        load_expert_map(path)
+
+
+def test_duplicate_keys_are_refused_at_any_depth_naming_where(tmp_path):
+    doc = json.dumps(document(layers=1))
+    doubled = doc.replace('"device_id": 1,', '"device_id": 1, "device_id": 1,')
+    path = tmp_path / "map.json"
+    path.write_text(doubled)
+    with pytest.raises(
+        ExpertMapError,
+        match=r"layer_list\[0\]\.device_list\[1\]\.device_id: duplicate key 'device_id'",
+    ):
+        load_expert_map(path)
+
+
+def test_values_in_messages_are_quoted_briefly():
+    doc = document()
+    doc["moe_layer_count"] = list(range(100_000))
+    fails(doc, r"moe_layer_count must be an integer, got an array \[\.\.\.\]$")
+    doc["moe_layer_count"] = "x" * 100_000
+    error = fails(doc, "moe_layer_count must be an integer, got a string")
+    assert len(str(error)) < 200
+    doc["moe_layer_count"] = 10**5000  # str() of it would raise past 4300 digits
+    fails(doc, "moe_layer_count of 16610 bits does not fit in a 64-bit integer")
 
 
 # -- structure ------------------------------------------------------------------------------------
@@ -204,8 +436,10 @@ def test_num_logical_is_inferred_as_max_id_plus_one():
     assert placement.num_logical == 6
     # Inference cannot see that expert 6 is missing everywhere; an explicit N can.
     fails(document(experts=6), "logical expert 6 is on no device", num_logical=7, layer=0)
-    with pytest.raises(ValueError, match="num_logical must be an integer >= 1"):
-        parse_expert_map(document(), num_logical=0)
+    for bad in (0, True, 2.0):
+        with pytest.raises(PlacementError, match="num_logical must be an integer >= 1") as info:
+            parse_expert_map(document(), num_logical=bad)
+        assert isinstance(info.value, ValueError) and not isinstance(info.value, ExpertMapError)
 
 
 def test_logical_expert_absent_from_a_layer():
@@ -294,7 +528,7 @@ def test_crash_mid_write_keeps_the_old_map(tmp_path, monkeypatch, crash_in):
         pass
 
     if crash_in == "write":
-        real_tempfile = expert_map_module.tempfile.NamedTemporaryFile
+        real_tempfile = safe_files.tempfile.NamedTemporaryFile
 
         def crashing_tempfile(*args, **kwargs):
             """The temporary file gets half the bytes, then the process "dies"."""
@@ -309,11 +543,11 @@ def test_crash_mid_write_keeps_the_old_map(tmp_path, monkeypatch, crash_in):
             handle.write = write
             return handle
 
-        monkeypatch.setattr(expert_map_module.tempfile, "NamedTemporaryFile", crashing_tempfile)
+        monkeypatch.setattr(safe_files.tempfile, "NamedTemporaryFile", crashing_tempfile)
     elif crash_in == "fsync":
-        monkeypatch.setattr(expert_map_module.os, "fsync", _raiser(Crash))
+        monkeypatch.setattr(safe_files.os, "fsync", _raiser(Crash))
     else:
-        monkeypatch.setattr(expert_map_module.os, "replace", _raiser(Crash))
+        monkeypatch.setattr(safe_files.os, "replace", _raiser(Crash))
     with pytest.raises(Crash):
         new.save_expert_map(path)
     assert path.read_text() == before
@@ -405,3 +639,19 @@ def test_cli_io_and_usage_errors_exit_2(tmp_path, capsys):
     Placement.default(1, 4, 0, 2).save_expert_map(path)
     unwritable = str(tmp_path / "no" / "report.json")
     assert cli.main(["map", "validate", str(path), "--json", unwritable]) == 2
+
+
+def test_cli_refused_files_exit_2_before_reading(tmp_path, capsys):
+    """A file that is not a regular file, or too large, is unreadable input (exit 2), never an
+    invalid map (exit 1), and is reported without being read."""
+    device = tmp_path / "device.json"
+    device.symlink_to(os.devnull)
+    huge = tmp_path / "huge.json"
+    with huge.open("wb") as handle:
+        handle.truncate(MAX_EXPERT_MAP_BYTES + 1)
+    report_path = tmp_path / "report.json"
+    for path, problem in ((device, "is a character device"), (huge, "is 67108865 bytes, over the")):
+        assert cli.main(["map", "validate", str(path), "--json", str(report_path)]) == 2
+        assert f"cannot read {path}: {problem}" in capsys.readouterr().err
+        report = json.loads(report_path.read_text())
+        assert report["valid"] is False and problem in report["error"]

@@ -7,11 +7,11 @@ types their values, and leaves every other argument in :attr:`EplbCliArgs.rest`.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from eplb_graph import strict_json
 from eplb_graph.integrations.settings.fields import ADDITIONAL, V2_PREFIX, ConfigError, coerce
 from eplb_graph.integrations.settings.resolve import ResolvedEplbConfig, resolve_eplb_config
 from eplb_graph.integrations.settings.v2 import EplbConfig
@@ -46,17 +46,31 @@ class EplbCliArgs:
         )
 
 
+#: The longest integer literal read from a command-line JSON object, in digits. No setting (ours,
+#: or another feature's in ``--additional-config``) needs more, and converting a longer one costs
+#: time that grows with the square of its length.
+MAX_JSON_INTEGER_DIGITS = 100
+
+
 def _load_json_object(name: str, option: str, text: str, example: str) -> dict[str, Any]:
+    """Parse one option's JSON object strictly: a key given twice at any depth is an error
+    (naming the key), as a field given twice on the command line is, instead of "last wins"."""
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ConfigError(
-            name,
-            f"{option} is not valid JSON (line {error.lineno}, column {error.colno}: "
-            f"{error.msg}); pass a JSON object such as {example}",
-        ) from None
+        value = strict_json.loads(
+            text, max_integer_digits=MAX_JSON_INTEGER_DIGITS, allow_constants=True
+        )
+    except strict_json.StrictJsonError as error:
+        if error.line is not None:
+            raise ConfigError(
+                name,
+                f"{option} is not valid JSON (line {error.line}, column {error.column}: "
+                f"{error.syntax}); pass a JSON object such as {example}",
+            ) from None
+        field = f"{name}.{error.where}" if error.where else name
+        raise ConfigError(field, f"{error.problem} (in {option})") from None
     if not isinstance(value, dict):
-        raise ConfigError(name, f"{option} must be a JSON object such as {example}, got {text!r}")
+        shown = text if len(text) <= 80 else f"{text[:77]}..."
+        raise ConfigError(name, f"{option} must be a JSON object such as {example}, got {shown!r}")
     return value
 
 
@@ -68,12 +82,15 @@ def parse_cli_args(argv: Sequence[str]) -> EplbCliArgs:
     ``--additional-config '<json object>'``. Option names may use ``_`` for ``-`` and field names
     ``-`` for ``_`` (as vLLM's parser allows). A field given twice (in any spelling) is an error
     rather than "last wins", because the two spellings usually come from different layers of a
-    launch script and silently dropping one is exactly what invariant 7 forbids.
+    launch script and silently dropping one is exactly what invariant 7 forbids. The same holds
+    for ``--enable-eplb`` given twice and for a key given twice inside one JSON object, at any
+    depth.
 
     Raises:
         ConfigError: naming the field (``eplb_config.window_size``) on any bad value.
     """
     enable = False
+    enable_source: str | None = None
     v2: dict[str, Any] = {}
     v2_source: dict[str, str] = {}
     additional: dict[str, Any] | None = None
@@ -97,7 +114,12 @@ def parse_cli_args(argv: Sequence[str]) -> EplbCliArgs:
         if option == "enable-eplb":
             if dotted:
                 raise ConfigError("enable_eplb", f"{token!r} takes no field; use --enable-eplb")
+            if enable_source is not None:
+                raise ConfigError(
+                    "enable_eplb", f"given twice ({enable_source} and {token}); give it once"
+                )
             enable = coerce("enable_eplb", inline, bool, from_text=True) if has_inline else True
+            enable_source = token
             continue
         if has_inline:
             value = inline

@@ -17,6 +17,7 @@ import difflib
 import functools
 import json
 import os
+import re
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import field
@@ -33,6 +34,27 @@ ADDITIONAL_EPLB = "additional_config.eplb_config"
 
 _TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 _FALSE_WORDS = frozenset({"0", "false", "no", "off"})
+
+# Upper bounds of the integer settings. Every integer has one, because an unbounded value is
+# accepted at initialization and fails later, far from its cause (a window of 10**30 steps is
+# accepted, then cannot be allocated when the runtime starts).
+
+#: Steps between events (``step_interval``, ``algorithm_execution_interval``, logging intervals):
+#: 2**31 - 1 steps is over 240 days at 10 ms a step, so a larger value means "never" by mistake.
+MAX_STEPS = 2**31 - 1
+#: Steps of load in one window (``window_size``, ``expert_heat_collection_interval``). The window
+#: keeps ``steps x MoE layers x slots`` counters allocated up front, so this bound is 2**20; size
+#: the window for the model too (58 layers x 288 slots is 130 KB a step).
+MAX_WINDOW_STEPS = 2**20
+#: Logical experts (``num_experts``), extra physical slots (``num_redundant_experts``) and EP
+#: ranks (``ep_size``): far past any model or cluster.
+MAX_EXPERTS = 2**16
+
+#: What command-line text may spell an integer: ASCII digits with an optional minus (so that a
+#: negative value gets the range message). ``int()`` also takes ``1_000``, ``+5`` and digits of
+#: other scripts (``１０００``), which a typo or a pasted value can produce unseen.
+_DECIMAL = re.compile(r"-?[0-9]{1,20}")
+_ASCII_SPACE = " \t\r\n\f\v"
 
 
 class ConfigError(EplbError, ValueError):
@@ -78,6 +100,8 @@ def show_value(value: Any) -> str:
     """How a bad value is quoted in messages: text as typed, everything else as JSON."""
     if isinstance(value, str):
         return repr(value)
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"{show_integer(value)} (integer)"
     try:
         text = json.dumps(value)
     except (TypeError, ValueError):
@@ -86,6 +110,14 @@ def show_value(value: Any) -> str:
         type(value), type(value).__name__
     )
     return f"{text} ({kind})"
+
+
+def show_integer(value: int) -> str:
+    """An integer for a message; one too long to print (``str()`` refuses past 4300 digits, and
+    quoting a huge one helps nobody) is shown by its size."""
+    if value.bit_length() <= 128:
+        return str(value)
+    return f"{'-' if value < 0 else ''}an integer of {value.bit_length()} bits"
 
 
 def suggest(key: str, known: Sequence[str]) -> str:
@@ -119,7 +151,7 @@ def coerce(name: str, value: Any, hint: Any, *, from_text: bool) -> Any:
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
     if from_text and isinstance(value, str):
-        text = value.strip()
+        text = value.strip(_ASCII_SPACE)
         if optional and text.lower() in ("none", "null"):
             return None
         if base is bool:
@@ -127,12 +159,9 @@ def coerce(name: str, value: Any, hint: Any, *, from_text: bool) -> Any:
                 return True
             if text.lower() in _FALSE_WORDS:
                 return False
-            raise ConfigError(name, f"expected true or false, got {value!r}")
+            raise ConfigError(name, f"expected true or false, got {_quote(value)}")
         if base is int:
-            try:
-                return int(text, 10)
-            except ValueError:
-                raise ConfigError(name, f"expected an integer, got {value!r}") from None
+            return _decimal(name, value, text)
         return value
     if value is None:
         if optional:
@@ -147,15 +176,31 @@ def coerce(name: str, value: Any, hint: Any, *, from_text: bool) -> Any:
     return value
 
 
+def _decimal(name: str, value: str, text: str) -> int:
+    """Command-line text as an integer: plain ASCII decimal only (see ``_DECIMAL``)."""
+    if _DECIMAL.fullmatch(text):
+        return int(text, 10)
+    hint = ""
+    if text.lstrip("+-").replace("_", "").isdigit():
+        hint = "; write it in plain digits 0-9 (no '_', '+' or digits of other scripts)"
+    if text.lstrip("-").isdigit() and text.isascii():
+        hint = f"; {len(text.lstrip('-'))} digits is far past any setting's maximum"
+    raise ConfigError(name, f"expected an integer, got {_quote(value)}{hint}")
+
+
+def _quote(text: str) -> str:
+    return repr(text) if len(text) <= 40 else f"{text[:37]!r}... ({len(text)} characters)"
+
+
 def _check_value(name: str, value: Any, metadata: Mapping[str, Any]) -> None:
     """Range, choice and custom checks of an already-typed value."""
     minimum, maximum = metadata.get("minimum"), metadata.get("maximum")
     if value is None:
         return
     if minimum is not None and value < minimum:
-        raise ConfigError(name, f"must be >= {minimum}, got {value}")
+        raise ConfigError(name, f"must be >= {minimum}, got {show_integer(value)}")
     if maximum is not None and value > maximum:
-        raise ConfigError(name, f"must be <= {maximum}, got {value}")
+        raise ConfigError(name, f"must be <= {maximum}, got {show_integer(value)}")
     choices = metadata.get("choices")
     if choices is not None and value not in choices:
         shown = ", ".join("null" if c is None else repr(c) for c in choices)

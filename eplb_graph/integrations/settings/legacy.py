@@ -14,10 +14,14 @@ from dataclasses import dataclass
 from eplb_graph.control.phases import CollectionPhase
 from eplb_graph.integrations.settings.fields import (
     ADDITIONAL_EPLB,
+    MAX_EXPERTS,
+    MAX_STEPS,
+    MAX_WINDOW_STEPS,
     ConfigError,
     Validated,
     enum_values,
     option,
+    show_integer,
 )
 from eplb_graph.integrations.settings.paths import check_map_path, check_record_path
 
@@ -40,7 +44,9 @@ def _check_policy_type(name: str, value: int) -> None:
             f"accepted types: {_accepted_policy_types()}",
         )
     if value not in LEGACY_POLICY_TYPES:
-        raise ConfigError(name, f"must be one of {_accepted_policy_types()}, got {value}")
+        raise ConfigError(
+            name, f"must be one of {_accepted_policy_types()}, got {show_integer(value)}"
+        )
 
 
 @dataclass(frozen=True)
@@ -54,10 +60,19 @@ class LegacyEplbConfig(Validated):
     _PREFIX: typing.ClassVar[str] = ADDITIONAL_EPLB
 
     dynamic_eplb: bool = option(False, doc="run the collect/plan/move cycle")
-    expert_heat_collection_interval: int = option(600, minimum=1, doc="steps of load collection")
-    algorithm_execution_interval: int = option(50, minimum=1, doc="steps the policy may take")
+    expert_heat_collection_interval: int = option(
+        600, minimum=1, maximum=MAX_WINDOW_STEPS, doc="steps of load collection (the window)"
+    )
+    algorithm_execution_interval: int = option(
+        50,
+        minimum=1,
+        maximum=MAX_STEPS - MAX_WINDOW_STEPS,
+        doc="steps the policy may take (plus the collection: the rearrangement interval)",
+    )
     eplb_policy_type: int = option(2, check=_check_policy_type, doc="see LEGACY_POLICY_TYPES")
-    num_redundant_experts: int = option(0, minimum=0, doc="extra physical slots")
+    num_redundant_experts: int = option(
+        0, minimum=0, maximum=MAX_EXPERTS, doc="extra physical slots"
+    )
     eplb_heat_collection_stage: str = option(
         CollectionPhase.ALL.value, choices=enum_values(CollectionPhase), doc="iteration phase"
     )

@@ -10,7 +10,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from eplb_graph.expert_map import MAX_EXPERT_MAP_BYTES
 from eplb_graph.integrations.settings.fields import ConfigError
+from eplb_graph.safe_files import RefusedFileError, check_regular_file
 
 
 def check_json_path(name: str, value: str) -> None:
@@ -21,13 +23,22 @@ def check_json_path(name: str, value: str) -> None:
 
 
 def check_map_path(name: str, value: str) -> None:
-    """The static map must exist and be readable now, not at the first MoE layer's init."""
+    """The static map must exist and be readable now, not at the first MoE layer's init.
+
+    The file rules are the map loader's (a regular file after symlinks, at most
+    ``MAX_EXPERT_MAP_BYTES``), so a FIFO, a device or a huge file is refused here without
+    being opened.
+    """
     check_json_path(name, value)
     path = Path(value)
     if not path.exists():
         raise ConfigError(name, f"{value!r} does not exist; record a map first or fix the path")
-    if not path.is_file():
-        raise ConfigError(name, f"{value!r} is not a regular file")
+    try:
+        check_regular_file(path, path.stat(), max_bytes=MAX_EXPERT_MAP_BYTES, what="an expert map")
+    except IsADirectoryError:
+        raise ConfigError(name, f"{value!r} is not a regular file (a directory)") from None
+    except RefusedFileError as error:
+        raise ConfigError(name, f"{value!r} {error.problem}") from None
     if not os.access(path, os.R_OK):
         raise ConfigError(name, f"{value!r} is not readable; fix its permissions")
 

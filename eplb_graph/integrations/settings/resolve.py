@@ -29,8 +29,10 @@ from eplb_graph.control.phases import CollectionPhase
 from eplb_graph.integrations.settings.fields import (
     ADDITIONAL,
     ADDITIONAL_EPLB,
+    MAX_EXPERTS,
     V2_PREFIX,
     ConfigError,
+    show_integer,
     show_value,
     suggest,
 )
@@ -123,14 +125,20 @@ def check_policy_name(name: str, field: str, policy_names: Sequence[str] | None 
 def _check_sizes(num_experts: Any, ep_size: Any) -> None:
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
         raise ConfigError("num_experts", f"must be an integer >= 1, got {show_value(num_experts)}")
+    if num_experts > MAX_EXPERTS:
+        raise ConfigError(
+            "num_experts", f"must be <= {MAX_EXPERTS}, got {show_integer(num_experts)}"
+        )
     if isinstance(ep_size, bool) or not isinstance(ep_size, int):
         raise ConfigError("ep_size", f"must be an integer, got {show_value(ep_size)}")
     if ep_size <= 1:
         raise ConfigError(
             "ep_size",
-            f"EPLB needs expert parallelism: ep_size must be > 1, got {ep_size}; "
+            f"EPLB needs expert parallelism: ep_size must be > 1, got {show_integer(ep_size)}; "
             "enable expert parallelism across > 1 ranks or disable EPLB",
         )
+    if ep_size > MAX_EXPERTS:
+        raise ConfigError("ep_size", f"must be <= {MAX_EXPERTS}, got {show_integer(ep_size)}")
 
 
 def _check_divisible(num_experts: int, num_redundant: int, ep_size: int, field: str) -> None:

@@ -14,6 +14,9 @@ from typing import Any
 
 from eplb_graph.control.phases import CollectionPhase
 from eplb_graph.integrations.settings.fields import (
+    MAX_EXPERTS,
+    MAX_STEPS,
+    MAX_WINDOW_STEPS,
     V2_PREFIX,
     ConfigError,
     Validated,
@@ -39,11 +42,19 @@ class EplbConfig(Validated):
 
     _PREFIX: typing.ClassVar[str] = V2_PREFIX
 
-    window_size: int = option(1000, minimum=1, doc="steps of load the policy sees")
-    step_interval: int = option(3000, minimum=1, doc="steps between rearrangements")
-    num_redundant_experts: int = option(0, minimum=0, doc="extra physical slots")
+    window_size: int = option(
+        1000, minimum=1, maximum=MAX_WINDOW_STEPS, doc="steps of load the policy sees"
+    )
+    step_interval: int = option(
+        3000, minimum=1, maximum=MAX_STEPS, doc="steps between rearrangements"
+    )
+    num_redundant_experts: int = option(
+        0, minimum=0, maximum=MAX_EXPERTS, doc="extra physical slots"
+    )
     log_balancedness: bool = option(False, doc="log the balancedness metric")
-    log_balancedness_interval: int = option(1, minimum=1, doc="log every n steps")
+    log_balancedness_interval: int = option(
+        1, minimum=1, maximum=MAX_STEPS, doc="log every n steps"
+    )
     use_async: bool = option(True, doc="plan and move weights on a worker thread")
     policy: str = option("default", doc="registered rebalance policy name")
     communicator: str | None = option(
