@@ -32,6 +32,7 @@ from eplb_graph.audit import (
     sync_ops,
 )
 from eplb_graph.audit.findings import Finding, location_from_text, relative_location
+from eplb_graph.testing import assert_graph_safe
 from tests.broken_models import TARGETS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -738,6 +739,117 @@ def test_bad_targets_are_usage_errors(spec, message, capsys):
     captured = capsys.readouterr()
     assert captured.err.startswith("eplb-graph audit: ") and message in captured.err
     assert captured.out == ""
+
+
+class _Stop(BaseException):
+    """A BaseException that is neither SystemExit nor KeyboardInterrupt."""
+
+
+def _exits_when_built():
+    sys.exit(0)
+
+
+def _exits_with_a_message_when_built():
+    raise SystemExit("no model today")
+
+
+def _stops_when_built():
+    raise _Stop("halt")
+
+
+def _exits_when_called():
+    def fn(x):
+        sys.exit(0)
+
+    return fn, (torch.ones(1),), None
+
+
+def _exits_on_its_second_call():
+    """Passes the plain eager call, then exits inside the audit's own calls of the target."""
+    calls = []
+
+    def fn(x):
+        calls.append(x)
+        if len(calls) > 1:
+            sys.exit(0)
+        return x * 2
+
+    return fn, (torch.ones(1),), None
+
+
+@pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace")
+@pytest.mark.parametrize(
+    ("module_text", "attribute", "expected"),
+    [
+        ("import sys\nsys.exit(0)\n", "target", "raised SystemExit(0) (sys.exit) while importing"),
+        ("raise SystemExit(3)\n", "target", "raised SystemExit(3) (sys.exit) while importing"),
+        ("from tests.test_audit import _exits_when_built as target\n", "target", "SystemExit(0)"),
+        (
+            "from tests.test_audit import _exits_with_a_message_when_built as target\n",
+            "target",
+            "raised SystemExit('no model today') (sys.exit) when called",
+        ),
+        ("from tests.test_audit import _stops_when_built as target\n", "target", "_Stop: halt"),
+        (
+            "from tests.test_audit import _exits_when_called as target\n",
+            "target",
+            "raised SystemExit(0) (sys.exit) during the audit",
+        ),
+        (
+            "from tests.test_audit import _exits_on_its_second_call as target\n",
+            "target",
+            "raised SystemExit(0) (sys.exit) during the audit",
+        ),
+    ],
+    ids=[
+        "exit-0-at-import",
+        "exit-3-at-import",
+        "exit-0-in-factory",
+        "exit-message-in-factory",
+        "base-exception-in-factory",
+        "exit-in-first-call",
+        "exit-in-a-later-call",
+    ],
+)
+def test_a_target_that_exits_is_a_usage_error_not_a_clean_audit(
+    module_text, attribute, expected, tmp_path, monkeypatch, capsys
+):
+    """``sys.exit(0)`` at import, in the factory or in any call of the target must not end the
+    CLI with status 0 and no report: one line naming the target and what it did, exit 2."""
+    module = f"exiting_target_{abs(hash(module_text))}"
+    (tmp_path / f"{module}.py").write_text(module_text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = f"{module}:{attribute}"
+    assert cli.main(["audit", spec]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    (line,) = captured.err.splitlines()
+    assert line.startswith(f"eplb-graph audit: TARGET {spec!r} ") or line.startswith(
+        f"eplb-graph audit: {spec} "
+    )
+    assert expected in line and "must not exit the process" in line
+
+
+def _interrupted_target():
+    raise KeyboardInterrupt
+
+
+def _interrupt(x):
+    raise KeyboardInterrupt
+
+
+def test_keyboard_interrupt_in_a_target_still_interrupts():
+    with pytest.raises(KeyboardInterrupt):
+        load_target("tests.test_audit:_interrupted_target")
+    with pytest.raises(KeyboardInterrupt):
+        run_audit(_interrupt, (torch.ones(1),), None)
+
+
+@pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace")
+def test_a_target_that_exits_during_the_audit_fails_assert_graph_safe():
+    fn, args, _ = _exits_on_its_second_call()
+    with pytest.raises(TargetRaised, match=r"raised SystemExit\(0\) \(sys.exit\) during"):
+        assert_graph_safe(fn, args)
 
 
 def test_target_failing_eagerly_is_a_usage_error(capsys):
