@@ -14,7 +14,9 @@ uses it for the tiny MoE. Graph modes:
 
 Every check compares the graph against an eager run of the same callable on the same state:
 outputs equal (within ``atol``), load deltas equal exactly, and the EPLB tensors' ``data_ptr``
-unchanged.
+unchanged. The eager run must also read the live EPLB tables: graph and eager agree perfectly
+when both route through a private copy of the lookup, so the eager run is watched by the audit's
+live-table probe (``eplb_graph.audit.live_tables``) and a copy fails the replay.
 
 :func:`assert_graph_safe` runs the static audit (``eplb_graph.audit``) and fails with every
 finding listed; the pytest plugin (``eplb_graph.pytest_plugin``, auto-loaded through the
@@ -215,13 +217,35 @@ class _Harness:
         if moved:
             raise GraphRegressionError(f"{label}: EPLB tensors changed address: {moved}")
 
+    def eager_reading_live_tables(self, label: str, args) -> object:
+        """The eager oracle's output; raises if it routed through a copy of the EPLB tables."""
+        from eplb_graph.audit.findings import relative_location
+        from eplb_graph.audit.live_tables import LiveTableProbe
+
+        probe = LiveTableProbe(self.state.graph_tensors())
+        with probe:
+            expected = self.fn(*args)
+        problems = probe.result.problems()
+        if problems:
+            lines = [
+                f"  {message}"
+                + (f" (at {relative_location(location, os.getcwd())})" if location else "")
+                for message, location, _hint in problems
+            ]
+            hints = dict.fromkeys(f"  fix: {hint}" for _message, _location, hint in problems)
+            raise GraphRegressionError(
+                f"{label}: routing reads a copy of the EPLB tables, so commits never reach it "
+                "(graph and eager then agree while both are wrong):\n" + "\n".join([*lines, *hints])
+            )
+        return expected
+
     def run_and_compare(self, label: str, run_graph: Callable[[], object], args) -> float:
         load_before = self.state.load.clone()
         got = run_graph()
         got = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in _as_tuple(got))
         graph_delta = self.state.load - load_before
         self.state.load.copy_(load_before)
-        expected = self.fn(*args)
+        expected = self.eager_reading_live_tables(label, args)
         eager_delta = self.state.load - load_before
         if not torch.equal(graph_delta, eager_delta):
             raise GraphRegressionError(f"{label}: recorded load differs from eager")
@@ -253,7 +277,8 @@ def capture_commit_replay(
         atol: tolerance for floating outputs (compiled kernels may reassociate sums).
 
     Raises:
-        GraphRegressionError: on a recompile/re-capture, moved EPLB tensor, or eager mismatch.
+        GraphRegressionError: on a recompile/re-capture, moved EPLB tensor, eager mismatch, or
+            routing through a copy of the EPLB tables (commits never reach it).
         RuntimeError: if ``mode`` cannot run here (see :func:`graph_mode_skip_reason`).
     """
     mode = resolve_graph_mode(mode, state)

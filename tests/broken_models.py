@@ -6,7 +6,16 @@ as a ``module:callable`` audit target returning ``(fn, example_args, eplb_state)
 - :func:`host_sync_target`: routing reads the valid-token count back to the host (``.item()``);
 - :func:`python_int_valid_count_target`: the valid-token count lives in a Python int attribute;
 - :func:`rebinding_commit_target`: the commit replaces the lookup tensor instead of ``copy_``;
-- :func:`dict_lookup_target`: the routing table is a Python dict read on the hot path.
+- :func:`dict_lookup_target`: the routing table is a Python dict read on the hot path;
+- :func:`cloned_lookup_target`: routing reads private clones of the lookup, made at build time;
+- :func:`constant_lookup_target`: the lookup is copied to Python lists at build time and rebuilt
+  as a tensor (a constant of the graph) on every call;
+- :func:`per_step_copy_target`: the state refreshes a private copy of the lookup every step;
+- :func:`stale_view_target`: the model keeps views of the lookup made at build time, and the
+  state's commit replaces the tensor they view.
+
+The last four compile once, never sync and never recompile: their routing simply never sees a
+commit, because they read a copy of the EPLB tables instead of the live ones.
 
 They are written the way a real runner gets them wrong, so keep each defect on its own line: the
 audit goldens in ``tests/test_audit.py`` pin the reported source lines.
@@ -169,9 +178,125 @@ def dict_lookup_target():
     return DictLookupMoE(CONFIG, state), (_hidden(),), state
 
 
+# -- 5. private clones of the lookup, made at build time ------------------------------------------
+class ClonedLookupMoE(_RoutingOverride):
+    """Keeps its own copy of each layer's lookup as a buffer (it "belongs to the module")."""
+
+    def __init__(self, config: TinyMoEConfig, state: eplb_graph.EplbState) -> None:
+        super().__init__(config, state)
+        for layer in range(config.num_layers):
+            self.register_buffer(f"log2phy_{layer}", state.log2phy[layer].clone())  # BROKEN: copy
+
+    def route(self, layer: int, logical_ids: torch.Tensor) -> torch.Tensor:
+        state = self.state
+        lookup = getattr(self, f"log2phy_{layer}")
+        return map_and_record(
+            logical_ids,
+            lookup,
+            state.replica_count[layer],
+            state.offset,
+            state.load[layer],
+            state.num_valid_tokens,
+            state.record_enabled,
+        )
+
+
+def cloned_lookup_target():
+    state = eplb_graph.EplbState(_placement())
+    return ClonedLookupMoE(CONFIG, state), (_hidden(),), state
+
+
+# -- 6. the lookup as a constant: Python lists made at build time ---------------------------------
+class ConstantLookupMoE(_RoutingOverride):
+    """Copies the lookup to Python lists once and builds the op's table from them per call."""
+
+    def __init__(self, config: TinyMoEConfig, state: eplb_graph.EplbState) -> None:
+        super().__init__(config, state)
+        self.lookup_rows = state.log2phy.tolist()  # BROKEN: a host copy, frozen into the graph
+
+    def route(self, layer: int, logical_ids: torch.Tensor) -> torch.Tensor:
+        state = self.state
+        lookup = torch.tensor(self.lookup_rows[layer], dtype=state.log2phy.dtype)
+        return map_and_record(
+            logical_ids,
+            lookup,
+            state.replica_count[layer],
+            state.offset,
+            state.load[layer],
+            state.num_valid_tokens,
+            state.record_enabled,
+        )
+
+
+def constant_lookup_target():
+    state = eplb_graph.EplbState(_placement())
+    return ConstantLookupMoE(CONFIG, state), (_hidden(),), state
+
+
+# -- 7. a private copy of the lookup, refreshed every step ----------------------------------------
+class PerStepCopyState(eplb_graph.EplbState):
+    """Hands the model a fresh copy of the lookup at every step instead of the live tensor."""
+
+    def set_step_inputs_(self, num_valid_tokens: int, record: bool) -> None:
+        super().set_step_inputs_(num_valid_tokens, record)
+        self.routing_copy = self.log2phy.clone()  # BROKEN: a copy; captured graphs keep the old
+
+
+class PerStepCopyMoE(_RoutingOverride):
+    def route(self, layer: int, logical_ids: torch.Tensor) -> torch.Tensor:
+        state = self.state
+        lookup = state.routing_copy[layer]
+        return map_and_record(
+            logical_ids,
+            lookup,
+            state.replica_count[layer],
+            state.offset,
+            state.load[layer],
+            state.num_valid_tokens,
+            state.record_enabled,
+        )
+
+
+def per_step_copy_target():
+    state = PerStepCopyState(_placement())
+    state.set_step_inputs_(TOKENS, True)
+    return PerStepCopyMoE(CONFIG, state), (_hidden(),), state
+
+
+# -- 8. views of a lookup tensor the commit replaces ----------------------------------------------
+class CachedViewsMoE(_RoutingOverride):
+    """Takes each layer's lookup view once, at build time."""
+
+    def __init__(self, config: TinyMoEConfig, state: eplb_graph.EplbState) -> None:
+        super().__init__(config, state)
+        self.lookup_views = [state.log2phy[layer] for layer in range(config.num_layers)]
+
+    def route(self, layer: int, logical_ids: torch.Tensor) -> torch.Tensor:
+        state = self.state
+        lookup = self.lookup_views[layer]  # BROKEN: a view of the tensor the state had at build
+        return map_and_record(
+            logical_ids,
+            lookup,
+            state.replica_count[layer],
+            state.offset,
+            state.load[layer],
+            state.num_valid_tokens,
+            state.record_enabled,
+        )
+
+
+def stale_view_target():
+    state = RebindingState(_placement())
+    return CachedViewsMoE(CONFIG, state), (_hidden(),), state
+
+
 TARGETS = {
     "host_sync": "tests.broken_models:host_sync_target",
     "python_int_valid_count": "tests.broken_models:python_int_valid_count_target",
     "rebinding_commit": "tests.broken_models:rebinding_commit_target",
     "dict_lookup": "tests.broken_models:dict_lookup_target",
+    "cloned_lookup": "tests.broken_models:cloned_lookup_target",
+    "constant_lookup": "tests.broken_models:constant_lookup_target",
+    "per_step_copy": "tests.broken_models:per_step_copy_target",
+    "stale_view": "tests.broken_models:stale_view_target",
 }

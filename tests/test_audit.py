@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import eplb_graph
+import eplb_graph.audit.live_tables as probe_module
 from eplb_graph import cli
 from eplb_graph.audit import (
     AuditReport,
@@ -31,7 +32,13 @@ from eplb_graph.audit import (
     run_audit,
     sync_ops,
 )
-from eplb_graph.audit.findings import Finding, location_from_text, relative_location
+from eplb_graph.audit.findings import (
+    Finding,
+    location_from_text,
+    location_of_callable,
+    relative_location,
+)
+from eplb_graph.testing import assert_graph_safe
 from tests.broken_models import TARGETS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,6 +74,7 @@ checks:
   static_inputs  ran      EPLB tensors read by the graph: log2phy, replica_count, load, record_enabled, num_valid_tokens, offset
   addresses      ran      7 EPLB tensors compared across: commit, record flag, valid-token count, offset
   python_values  ran      non-tensor guards checked after: commit, record flag, valid-token count, offset
+  live_tables    ran      eager call after commit, record flag, valid-token count, offset; live EPLB tensors read: log2phy, replica_count, load, record_enabled, num_valid_tokens, offset
 
 no findings: graph-safe
 """,  # noqa: E501
@@ -119,6 +127,12 @@ no findings: graph-safe
       "name": "python_values",
       "note": "non-tensor guards checked after: commit, record flag, valid-token count, offset",
       "status": "ran"
+    },
+    {
+      "findings": 0,
+      "name": "live_tables",
+      "note": "eager call after commit, record flag, valid-token count, offset; live EPLB tensors read: log2phy, replica_count, load, record_enabled, num_valid_tokens, offset",
+      "status": "ran"
     }
   ],
   "clean": true,
@@ -143,11 +157,12 @@ checks:
   static_inputs  ran      EPLB tensors read by the graph: log2phy, replica_count, load, record_enabled, num_valid_tokens, offset
   addresses      ran      7 EPLB tensors compared across: commit, record flag, valid-token count, offset
   python_values  ran      non-tensor guards checked after: commit, record flag, valid-token count, offset
+  live_tables    ran      eager call after commit, record flag, valid-token count, offset; live EPLB tensors read: log2phy, replica_count, load, record_enabled, num_valid_tokens, offset
 
 KIND         LOCATION                   MESSAGE
-graph_break  tests/broken_models.py:73  graph break: Unsupported Tensor.item() call with capture_scalar_outputs=False
+graph_break  tests/broken_models.py:82  graph break: Unsupported Tensor.item() call with capture_scalar_outputs=False
                                         -> Dynamo does not support tracing `Tensor.item()` with config.capture_scalar_outputs=False.
-host_sync    tests/broken_models.py:73  aten._local_scalar_dense reads a device value on the host
+host_sync    tests/broken_models.py:82  aten._local_scalar_dense reads a device value on the host
 
 2 findings: not graph-safe
 """,  # noqa: E501
@@ -200,6 +215,12 @@ host_sync    tests/broken_models.py:73  aten._local_scalar_dense reads a device 
       "name": "python_values",
       "note": "non-tensor guards checked after: commit, record flag, valid-token count, offset",
       "status": "ran"
+    },
+    {
+      "findings": 0,
+      "name": "live_tables",
+      "note": "eager call after commit, record flag, valid-token count, offset; live EPLB tensors read: log2phy, replica_count, load, record_enabled, num_valid_tokens, offset",
+      "status": "ran"
     }
   ],
   "clean": false,
@@ -208,14 +229,14 @@ host_sync    tests/broken_models.py:73  aten._local_scalar_dense reads a device 
       "check": "graph_breaks",
       "detail": "Dynamo does not support tracing `Tensor.item()` with config.capture_scalar_outputs=False.",
       "kind": "graph_break",
-      "location": "tests/broken_models.py:73",
+      "location": "tests/broken_models.py:82",
       "message": "graph break: Unsupported Tensor.item() call with capture_scalar_outputs=False"
     },
     {
       "check": "host_syncs",
       "detail": "",
       "kind": "host_sync",
-      "location": "tests/broken_models.py:73",
+      "location": "tests/broken_models.py:82",
       "message": "aten._local_scalar_dense reads a device value on the host"
     }
   ],
@@ -239,10 +260,11 @@ checks:
   static_inputs  ran      EPLB tensors read by the graph: log2phy, replica_count, load, record_enabled, offset
   addresses      ran      7 EPLB tensors compared across: commit, record flag, valid-token count, offset
   python_values  ran      non-tensor guards checked after: commit, record flag, valid-token count, offset
+  live_tables    ran      eager call after commit, record flag, valid-token count, offset; live EPLB tensors read: log2phy, replica_count, load, record_enabled, offset
 
 KIND          LOCATION                    MESSAGE
-recompile     tests/broken_models.py:103  recompiled after valid-token count: guard `self.state.num_valid_host == 12` failed
-python_value  tests/broken_models.py:103  routing state read from a Python value is frozen into the graph: `self.state.num_valid_host == 12` stopped holding after valid-token count
+recompile     tests/broken_models.py:112  recompiled after valid-token count: guard `self.state.num_valid_host == 12` failed
+python_value  tests/broken_models.py:112  routing state read from a Python value is frozen into the graph: `self.state.num_valid_host == 12` stopped holding after valid-token count
                                           -> keep it in a device tensor of the EPLB state and update it in place
 
 2 findings: not graph-safe
@@ -296,6 +318,12 @@ python_value  tests/broken_models.py:103  routing state read from a Python value
       "name": "python_values",
       "note": "non-tensor guards checked after: commit, record flag, valid-token count, offset",
       "status": "ran"
+    },
+    {
+      "findings": 0,
+      "name": "live_tables",
+      "note": "eager call after commit, record flag, valid-token count, offset; live EPLB tensors read: log2phy, replica_count, load, record_enabled, offset",
+      "status": "ran"
     }
   ],
   "clean": false,
@@ -304,14 +332,14 @@ python_value  tests/broken_models.py:103  routing state read from a Python value
       "check": "recompiles",
       "detail": "",
       "kind": "recompile",
-      "location": "tests/broken_models.py:103",
+      "location": "tests/broken_models.py:112",
       "message": "recompiled after valid-token count: guard `self.state.num_valid_host == 12` failed"
     },
     {
       "check": "python_values",
       "detail": "keep it in a device tensor of the EPLB state and update it in place",
       "kind": "python_value",
-      "location": "tests/broken_models.py:103",
+      "location": "tests/broken_models.py:112",
       "message": "routing state read from a Python value is frozen into the graph: `self.state.num_valid_host == 12` stopped holding after valid-token count"
     }
   ],
@@ -335,9 +363,10 @@ checks:
   static_inputs  ran      EPLB tensors read by the graph: log2phy, replica_count, load, record_enabled, num_valid_tokens, offset
   addresses      ran      7 EPLB tensors compared across: commit, record flag, valid-token count, offset
   python_values  ran      non-tensor guards checked after: commit, record flag, valid-token count, offset
+  live_tables    ran      eager call after commit, record flag, valid-token count, offset; live EPLB tensors read: log2phy, replica_count, load, record_enabled, num_valid_tokens, offset
 
 KIND             LOCATION                    MESSAGE
-address_changed  tests/broken_models.py:128  EPLB tensor `log2phy` changed address after commit: captured graphs keep reading the old memory
+address_changed  tests/broken_models.py:137  EPLB tensor `log2phy` changed address after commit: captured graphs keep reading the old memory
                                              -> write the new values in place (copy_/fill_) instead of assigning a new tensor
 
 1 finding: not graph-safe
@@ -391,6 +420,12 @@ address_changed  tests/broken_models.py:128  EPLB tensor `log2phy` changed addre
       "name": "python_values",
       "note": "non-tensor guards checked after: commit, record flag, valid-token count, offset",
       "status": "ran"
+    },
+    {
+      "findings": 0,
+      "name": "live_tables",
+      "note": "eager call after commit, record flag, valid-token count, offset; live EPLB tensors read: log2phy, replica_count, load, record_enabled, num_valid_tokens, offset",
+      "status": "ran"
     }
   ],
   "clean": false,
@@ -399,7 +434,7 @@ address_changed  tests/broken_models.py:128  EPLB tensor `log2phy` changed addre
       "check": "addresses",
       "detail": "write the new values in place (copy_/fill_) instead of assigning a new tensor",
       "kind": "address_changed",
-      "location": "tests/broken_models.py:128",
+      "location": "tests/broken_models.py:137",
       "message": "EPLB tensor `log2phy` changed address after commit: captured graphs keep reading the old memory"
     }
   ],
@@ -423,13 +458,18 @@ checks:
   static_inputs  ran      EPLB tensors read by the graph: load, record_enabled, num_valid_tokens, offset
   addresses      ran      7 EPLB tensors compared across: commit, record flag, valid-token count, offset
   python_values  ran      non-tensor guards checked after: commit, record flag, valid-token count, offset
+  live_tables    ran      eager call after commit, record flag, valid-token count, offset; live EPLB tensors read: load, record_enabled, num_valid_tokens, offset
 
 KIND          LOCATION                    MESSAGE
-recompile     tests/broken_models.py:160  recompiled after commit: guard `self.state.first_slot[(0, 0)] == 0` failed
-python_value  tests/broken_models.py:160  routing state read from a Python value is frozen into the graph: `self.state.first_slot[(0, 0)] == 0` stopped holding after commit
+recompile     tests/broken_models.py:169  recompiled after commit: guard `self.state.first_slot[(0, 0)] == 0` failed
+python_value  tests/broken_models.py:169  routing state read from a Python value is frozen into the graph: `self.state.first_slot[(0, 0)] == 0` stopped holding after commit
                                           -> keep it in a device tensor of the EPLB state and update it in place
+stale_table   tests/broken_models.py:171  `log2phy` passed to eplb_graph::map_to_physical is not read from the live EplbState.log2phy: commits written in place never reach this routing
+                                          -> pass the EplbState's own `log2phy` or a view of it (state.log2phy[layer]) on every call; a clone, a buffer filled at init, a constant, a Python-side mirror or a view of a tensor the state replaced keeps old values
+stale_table   tests/broken_models.py:171  `replica_count` passed to eplb_graph::map_to_physical is not read from the live EplbState.replica_count: commits written in place never reach this routing
+                                          -> pass the EplbState's own `replica_count` or a view of it (state.replica_count[layer]) on every call; a clone, a buffer filled at init, a constant, a Python-side mirror or a view of a tensor the state replaced keeps old values
 
-2 findings: not graph-safe
+4 findings: not graph-safe
 """,  # noqa: E501
         )
 
@@ -480,6 +520,12 @@ python_value  tests/broken_models.py:160  routing state read from a Python value
       "name": "python_values",
       "note": "non-tensor guards checked after: commit, record flag, valid-token count, offset",
       "status": "ran"
+    },
+    {
+      "findings": 2,
+      "name": "live_tables",
+      "note": "eager call after commit, record flag, valid-token count, offset; live EPLB tensors read: load, record_enabled, num_valid_tokens, offset",
+      "status": "ran"
     }
   ],
   "clean": false,
@@ -488,20 +534,203 @@ python_value  tests/broken_models.py:160  routing state read from a Python value
       "check": "recompiles",
       "detail": "",
       "kind": "recompile",
-      "location": "tests/broken_models.py:160",
+      "location": "tests/broken_models.py:169",
       "message": "recompiled after commit: guard `self.state.first_slot[(0, 0)] == 0` failed"
     },
     {
       "check": "python_values",
       "detail": "keep it in a device tensor of the EPLB state and update it in place",
       "kind": "python_value",
-      "location": "tests/broken_models.py:160",
+      "location": "tests/broken_models.py:169",
       "message": "routing state read from a Python value is frozen into the graph: `self.state.first_slot[(0, 0)] == 0` stopped holding after commit"
+    },
+    {
+      "check": "live_tables",
+      "detail": "pass the EplbState's own `log2phy` or a view of it (state.log2phy[layer]) on every call; a clone, a buffer filled at init, a constant, a Python-side mirror or a view of a tensor the state replaced keeps old values",
+      "kind": "stale_table",
+      "location": "tests/broken_models.py:171",
+      "message": "`log2phy` passed to eplb_graph::map_to_physical is not read from the live EplbState.log2phy: commits written in place never reach this routing"
+    },
+    {
+      "check": "live_tables",
+      "detail": "pass the EplbState's own `replica_count` or a view of it (state.replica_count[layer]) on every call; a clone, a buffer filled at init, a constant, a Python-side mirror or a view of a tensor the state replaced keeps old values",
+      "kind": "stale_table",
+      "location": "tests/broken_models.py:171",
+      "message": "`replica_count` passed to eplb_graph::map_to_physical is not read from the live EplbState.replica_count: commits written in place never reach this routing"
     }
   ],
   "schema_version": 1,
   "target": "tests.broken_models:dict_lookup_target"
 }
+""",  # noqa: E501
+        )
+
+    def test_cloned_lookup_text(self):
+        self.assertExpectedInline(
+            _text(TARGETS["cloned_lookup"]),
+            """\
+graph audit of tests.broken_models:cloned_lookup_target
+
+checks:
+  graph_breaks   ran      explain(): 1 graph(s), 0 break(s)
+  fullgraph      ran      torch.compile(fullgraph=True) succeeded
+  host_syncs     ran      walked 1 ATen graph(s); op bodies audited: eplb_graph::map_and_record
+  recompiles     ran      steps: commit, record flag, valid-token count, offset; 0 new graph(s)
+  static_inputs  ran      EPLB tensors read by the graph: replica_count, load, record_enabled, num_valid_tokens, offset
+  addresses      ran      7 EPLB tensors compared across: commit, record flag, valid-token count, offset
+  python_values  ran      non-tensor guards checked after: commit, record flag, valid-token count, offset
+  live_tables    ran      eager call after commit, record flag, valid-token count, offset; live EPLB tensors read: replica_count, load, record_enabled, num_valid_tokens, offset
+
+KIND         LOCATION                    MESSAGE
+stale_table  tests/broken_models.py:193  `log2phy` passed to eplb_graph::map_and_record is not read from the live EplbState.log2phy: commits written in place never reach this routing
+                                         -> pass the EplbState's own `log2phy` or a view of it (state.log2phy[layer]) on every call; a clone, a buffer filled at init, a constant, a Python-side mirror or a view of a tensor the state replaced keeps old values
+
+1 finding: not graph-safe
+""",  # noqa: E501
+        )
+
+    def test_cloned_lookup_json(self):
+        self.assertExpectedInline(
+            _json(TARGETS["cloned_lookup"]),
+            """\
+{
+  "checks": [
+    {
+      "findings": 0,
+      "name": "graph_breaks",
+      "note": "explain(): 1 graph(s), 0 break(s)",
+      "status": "ran"
+    },
+    {
+      "findings": 0,
+      "name": "fullgraph",
+      "note": "torch.compile(fullgraph=True) succeeded",
+      "status": "ran"
+    },
+    {
+      "findings": 0,
+      "name": "host_syncs",
+      "note": "walked 1 ATen graph(s); op bodies audited: eplb_graph::map_and_record",
+      "status": "ran"
+    },
+    {
+      "findings": 0,
+      "name": "recompiles",
+      "note": "steps: commit, record flag, valid-token count, offset; 0 new graph(s)",
+      "status": "ran"
+    },
+    {
+      "findings": 0,
+      "name": "static_inputs",
+      "note": "EPLB tensors read by the graph: replica_count, load, record_enabled, num_valid_tokens, offset",
+      "status": "ran"
+    },
+    {
+      "findings": 0,
+      "name": "addresses",
+      "note": "7 EPLB tensors compared across: commit, record flag, valid-token count, offset",
+      "status": "ran"
+    },
+    {
+      "findings": 0,
+      "name": "python_values",
+      "note": "non-tensor guards checked after: commit, record flag, valid-token count, offset",
+      "status": "ran"
+    },
+    {
+      "findings": 1,
+      "name": "live_tables",
+      "note": "eager call after commit, record flag, valid-token count, offset; live EPLB tensors read: replica_count, load, record_enabled, num_valid_tokens, offset",
+      "status": "ran"
+    }
+  ],
+  "clean": false,
+  "findings": [
+    {
+      "check": "live_tables",
+      "detail": "pass the EplbState's own `log2phy` or a view of it (state.log2phy[layer]) on every call; a clone, a buffer filled at init, a constant, a Python-side mirror or a view of a tensor the state replaced keeps old values",
+      "kind": "stale_table",
+      "location": "tests/broken_models.py:193",
+      "message": "`log2phy` passed to eplb_graph::map_and_record is not read from the live EplbState.log2phy: commits written in place never reach this routing"
+    }
+  ],
+  "schema_version": 1,
+  "target": "tests.broken_models:cloned_lookup_target"
+}
+""",  # noqa: E501
+        )
+
+    def test_constant_lookup_text(self):
+        self.assertExpectedInline(
+            _text(TARGETS["constant_lookup"]),
+            """\
+graph audit of tests.broken_models:constant_lookup_target
+
+checks:
+  graph_breaks   ran      explain(): 1 graph(s), 0 break(s)
+  fullgraph      ran      torch.compile(fullgraph=True) succeeded
+  host_syncs     ran      walked 1 ATen graph(s); op bodies audited: eplb_graph::map_and_record
+  recompiles     ran      steps: commit, record flag, valid-token count, offset; 0 new graph(s)
+  static_inputs  ran      EPLB tensors read by the graph: replica_count, load, record_enabled, num_valid_tokens, offset
+  addresses      ran      7 EPLB tensors compared across: commit, record flag, valid-token count, offset
+  python_values  ran      non-tensor guards checked after: commit, record flag, valid-token count, offset
+  live_tables    ran      eager call after commit, record flag, valid-token count, offset; live EPLB tensors read: replica_count, load, record_enabled, num_valid_tokens, offset
+
+KIND         LOCATION                    MESSAGE
+stale_table  tests/broken_models.py:220  `log2phy` passed to eplb_graph::map_and_record is not read from the live EplbState.log2phy: commits written in place never reach this routing
+                                         -> pass the EplbState's own `log2phy` or a view of it (state.log2phy[layer]) on every call; a clone, a buffer filled at init, a constant, a Python-side mirror or a view of a tensor the state replaced keeps old values
+
+1 finding: not graph-safe
+""",  # noqa: E501
+        )
+
+    def test_per_step_copy_text(self):
+        self.assertExpectedInline(
+            _text(TARGETS["per_step_copy"]),
+            """\
+graph audit of tests.broken_models:per_step_copy_target
+
+checks:
+  graph_breaks   ran      explain(): 1 graph(s), 0 break(s)
+  fullgraph      ran      torch.compile(fullgraph=True) succeeded
+  host_syncs     ran      walked 1 ATen graph(s); op bodies audited: eplb_graph::map_and_record
+  recompiles     ran      steps: commit, record flag, valid-token count, offset; 0 new graph(s)
+  static_inputs  ran      EPLB tensors read by the graph: replica_count, load, record_enabled, num_valid_tokens, offset
+  addresses      ran      7 EPLB tensors compared across: commit, record flag, valid-token count, offset
+  python_values  ran      non-tensor guards checked after: commit, record flag, valid-token count, offset
+  live_tables    ran      eager call after commit, record flag, valid-token count, offset; live EPLB tensors read: replica_count, load, record_enabled, num_valid_tokens, offset
+
+KIND         LOCATION                    MESSAGE
+stale_table  tests/broken_models.py:249  `log2phy` passed to eplb_graph::map_and_record is not read from the live EplbState.log2phy: commits written in place never reach this routing
+                                         -> pass the EplbState's own `log2phy` or a view of it (state.log2phy[layer]) on every call; a clone, a buffer filled at init, a constant, a Python-side mirror or a view of a tensor the state replaced keeps old values
+
+1 finding: not graph-safe
+""",  # noqa: E501
+        )
+
+    def test_stale_view_text(self):
+        self.assertExpectedInline(
+            _text(TARGETS["stale_view"]),
+            """\
+graph audit of tests.broken_models:stale_view_target
+
+checks:
+  graph_breaks   ran      explain(): 1 graph(s), 0 break(s)
+  fullgraph      ran      torch.compile(fullgraph=True) succeeded
+  host_syncs     ran      walked 1 ATen graph(s); op bodies audited: eplb_graph::map_and_record
+  recompiles     ran      steps: commit, record flag, valid-token count, offset; 0 new graph(s)
+  static_inputs  ran      EPLB tensors read by the graph: log2phy, replica_count, load, record_enabled, num_valid_tokens, offset
+  addresses      ran      7 EPLB tensors compared across: commit, record flag, valid-token count, offset
+  python_values  ran      non-tensor guards checked after: commit, record flag, valid-token count, offset
+  live_tables    ran      eager call after commit, record flag, valid-token count, offset; live EPLB tensors read: replica_count, load, record_enabled, num_valid_tokens, offset
+
+KIND             LOCATION                    MESSAGE
+address_changed  tests/broken_models.py:137  EPLB tensor `log2phy` changed address after commit: captured graphs keep reading the old memory
+                                             -> write the new values in place (copy_/fill_) instead of assigning a new tensor
+stale_table      tests/broken_models.py:277  `log2phy` passed to eplb_graph::map_and_record is not read from the live EplbState.log2phy: commits written in place never reach this routing
+                                             -> pass the EplbState's own `log2phy` or a view of it (state.log2phy[layer]) on every call; a clone, a buffer filled at init, a constant, a Python-side mirror or a view of a tensor the state replaced keeps old values
+
+2 findings: not graph-safe
 """,  # noqa: E501
         )
 
@@ -528,7 +757,7 @@ def test_clean_model_is_clean_and_fast():
     report = run_audit(target.fn, target.example_args, target.eplb_state)
     elapsed = time.perf_counter() - started
     assert report.clean, report.render_text(ROOT)
-    assert [check.status for check in report.checks] == ["ran"] * 7
+    assert [check.status for check in report.checks] == ["ran"] * 8
     assert elapsed < 60, f"audit of the project's model took {elapsed:.1f} s"
 
 
@@ -552,7 +781,55 @@ def test_rebinding_commit_sample_is_flagged():
 
 def test_dict_lookup_sample_is_flagged():
     line = _line_of("table = torch.tensor(slots")
-    assert _kinds(TARGETS["dict_lookup"]) == [("recompile", line), ("python_value", line)]
+    op_line = _line_of("physical = map_to_physical(logical_ids, table, ones")
+    assert _kinds(TARGETS["dict_lookup"]) == [
+        ("recompile", line),
+        ("python_value", line),
+        ("stale_table", op_line),
+        ("stale_table", op_line),
+    ]
+    messages = [finding.message for finding in _audit(TARGETS["dict_lookup"]).findings[2:]]
+    assert messages[0].startswith("`log2phy` passed to eplb_graph::map_to_physical")
+    assert messages[1].startswith("`replica_count` passed to eplb_graph::map_to_physical")
+
+
+def _route_call_after(marker: str) -> str:
+    """``path:N`` of the op call right after the line carrying ``marker`` (the line it names)."""
+    path, line = _line_of(marker).rsplit(":", 1)
+    assert "return map_and_record(" in (ROOT / path).read_text().splitlines()[int(line)]
+    return f"{path}:{int(line) + 1}"
+
+
+@pytest.mark.parametrize(
+    ("sample", "marker"),
+    [
+        ("cloned_lookup", 'lookup = getattr(self, f"log2phy_{layer}")'),
+        ("constant_lookup", "lookup = torch.tensor(self.lookup_rows[layer]"),
+        ("per_step_copy", "lookup = state.routing_copy[layer]"),
+        ("stale_view", "lookup = self.lookup_views[layer]"),
+    ],
+)
+def test_routing_through_a_copy_of_the_lookup_is_flagged(sample, marker):
+    """A clone, a constant, a per-step copy, a view of a replaced tensor: commits never reach
+    routing, although the graph compiles once, never syncs and never recompiles."""
+    report = _audit(TARGETS[sample])
+    stale = [finding for finding in report.findings if finding.kind == "stale_table"]
+    assert [finding.relative_to(ROOT).location for finding in stale] == [_route_call_after(marker)]
+    (finding,) = stale
+    assert finding.check == "live_tables"
+    assert finding.message == (
+        "`log2phy` passed to eplb_graph::map_and_record is not read from the live "
+        "EplbState.log2phy: commits written in place never reach this routing"
+    )
+    assert "state.log2phy[layer]" in finding.detail
+    others = [finding.kind for finding in report.findings if finding.kind != "stale_table"]
+    assert others == (["address_changed"] if sample == "stale_view" else [])
+
+
+def test_a_state_that_rebinds_is_not_a_copy_when_the_model_reads_it_each_call():
+    """The rebinding sample reads ``state.log2phy`` afresh: it moves (a finding), but routing
+    follows the commit, so it is not reported as reading a copy."""
+    assert "stale_table" not in [kind for kind, _ in _kinds(TARGETS["rebinding_commit"])]
 
 
 # -- the checks in isolation ----------------------------------------------------------------------
@@ -604,6 +881,7 @@ def test_commit_checks_are_skipped_not_failed_without_state():
         "static_inputs": "skipped",
         "addresses": "skipped",
         "python_values": "skipped",
+        "live_tables": "skipped",
     }
     assert "eplb_state is None" in report.as_dict()["checks"][3]["note"]
 
@@ -691,6 +969,159 @@ def test_locations_skip_library_frames_and_relativize():
         Finding("typo", "check", "message", "x.py:1")
 
 
+# -- the live-table check in isolation ------------------------------------------------------------
+
+
+def _routing_state() -> eplb_graph.EplbState:
+    state = eplb_graph.EplbState(eplb_graph.Placement.default(2, 8, 8, 4))
+    state.set_step_inputs_(5, True)
+    return state
+
+
+_IDS = torch.tensor([[0, 3], [7, 1], [2, 2], [5, 6], [4, 0]])
+_OPS = torch.ops.eplb_graph
+
+
+class _BufferedLookup(torch.nn.Module):
+    """Correct, if roundabout: refreshes its own buffer from the live table on every call and
+    casts, clones and views the live tensors inside the call."""
+
+    def __init__(self, state: eplb_graph.EplbState) -> None:
+        super().__init__()
+        self.state = state
+        self.register_buffer("lookup", torch.empty_like(state.log2phy))
+        self.first_layer = self.lookup[0]  # a view taken before the buffer is filled
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        state = self.state
+        self.lookup.copy_(state.log2phy)
+        first = _OPS.map_to_physical(ids, self.first_layer, state.replica_count[0], state.offset)
+        second = _OPS.map_and_record(
+            ids,
+            state.log2phy[1].clone().contiguous(),
+            state.replica_count[1].to(torch.int64),
+            state.offset,
+            state.load[1],
+            state.num_valid_tokens,
+            state.record_enabled,
+        )
+        return first + second
+
+
+class _PrivateLoad(torch.nn.Module):
+    """Records into its own copy of ``load``: the window never sees that load."""
+
+    def __init__(self, state: eplb_graph.EplbState) -> None:
+        super().__init__()
+        self.state = state
+        self.register_buffer("my_load", state.load[0].clone())
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        s = self.state
+        load = self.my_load  # BROKEN: a private copy
+        count = s.replica_count[0]
+        return _OPS.map_and_record(
+            ids, s.log2phy[0], count, s.offset, load, s.num_valid_tokens, s.record_enabled
+        )
+
+
+def _own_routing(state: eplb_graph.EplbState, table: torch.Tensor):
+    """Routing without the eplb_graph ops: first replica of each expert, gathered from ``table``."""
+
+    def route(ids: torch.Tensor) -> torch.Tensor:
+        return table[0, :, 0].index_select(0, ids.reshape(-1)).view_as(ids)
+
+    return route
+
+
+def _live_table_findings(fn, state) -> list[Finding]:
+    report = run_audit(fn, (_IDS,), state, checks=["live_tables"])
+    return report.findings
+
+
+def test_live_tables_accept_copies_made_from_the_live_tables_inside_the_call():
+    state = _routing_state()
+    assert _live_table_findings(_BufferedLookup(state), state) == []
+    assert _live_table_findings(_own_routing(state, state.log2phy), state) == []
+
+
+def test_live_tables_flag_a_private_load():
+    state = _routing_state()
+    (finding,) = _live_table_findings(_PrivateLoad(state), state)
+    assert finding.kind == "stale_table"
+    assert finding.message.startswith("`load` passed to eplb_graph::map_and_record is not read")
+    assert finding.message.endswith("the load it records never reaches the rebalancing window")
+
+
+def test_live_tables_flag_routing_that_reads_no_live_table_without_the_ops():
+    state = _routing_state()
+    (finding,) = _live_table_findings(_own_routing(state, state.log2phy.clone()), state)
+    assert finding.kind == "stale_table"
+    assert finding.message.startswith("no op reads the live EplbState routing tables")
+    assert finding.location == location_of_callable(_own_routing(state, state.log2phy))
+
+
+def test_live_tables_runs_after_the_commit_and_names_what_was_read():
+    target = load_target(CLEAN)
+    report = run_audit(target.fn, target.example_args, target.eplb_state, checks=["live_tables"])
+    (check,) = report.checks
+    assert check.note == (
+        "eager call after commit, record flag, valid-token count, offset; live EPLB tensors "
+        "read: log2phy, replica_count, load, record_enabled, num_valid_tokens, offset"
+    )
+
+
+def test_live_tables_follow_values_not_shapes():
+    """``zeros_like(live)`` holds none of the live values; ``empty_like(live).copy_(live)`` does."""
+    state = _routing_state()
+    stale = state.log2phy[0].clone()
+
+    def shaped_like_live(ids):
+        table = torch.zeros_like(state.log2phy[0]).copy_(stale)
+        return _OPS.map_to_physical(ids, table, state.replica_count[0], state.offset)
+
+    def filled_from_live(ids):
+        table = torch.empty_like(stale).copy_(state.log2phy[0])
+        return _OPS.map_to_physical(ids, table, state.replica_count[0], state.offset)
+
+    (finding,) = _live_table_findings(shaped_like_live, state)
+    assert finding.message.startswith("`log2phy` passed to eplb_graph::map_to_physical")
+    assert _live_table_findings(filled_from_live, state) == []
+
+
+def test_live_tables_report_a_target_that_fails_under_the_probe():
+    """The probe's eager call comes after the steps; a target that fails there is a finding (the
+    check could not judge it), never a pass."""
+    state = _routing_state()
+
+    def fails_once_recording_is_off(ids):
+        if not bool(state.record_enabled):
+            raise RuntimeError("recording must stay on")
+        return _OPS.map_to_physical(ids, state.log2phy[0], state.replica_count[0], state.offset)
+
+    report = run_audit(fails_once_recording_is_off, (_IDS,), state, checks=["live_tables"])
+    (finding,) = report.findings
+    assert finding.kind == "compile_error"
+    assert finding.message == (
+        "the target raised when called eagerly under the live-table probe: recording must stay on"
+    )
+
+
+def test_probe_forgets_a_derivation_once_its_memory_is_freed(monkeypatch):
+    """Allocators reuse addresses: once every tensor seen with a storage is gone, a new tensor
+    at that address must start underived (here every tensor is given the same address)."""
+    probe = probe_module.LiveTableProbe({})
+    monkeypatch.setattr(probe_module, "_storage_key", lambda tensor: ("cpu", None, 64))
+    derived = torch.ones(4)
+    probe._mark(derived, {"log2phy"}, replace=True)
+    newcomer = torch.zeros(4)
+    assert probe.sources(newcomer) == {"log2phy"}  # same address while `derived` lives: shared
+    del derived
+    assert probe.sources(newcomer) == set()
+    probe._mark(newcomer, set(), replace=False)
+    assert probe.sources(newcomer) == set()
+
+
 # -- targets and the command line -----------------------------------------------------------------
 
 
@@ -738,6 +1169,117 @@ def test_bad_targets_are_usage_errors(spec, message, capsys):
     captured = capsys.readouterr()
     assert captured.err.startswith("eplb-graph audit: ") and message in captured.err
     assert captured.out == ""
+
+
+class _Stop(BaseException):
+    """A BaseException that is neither SystemExit nor KeyboardInterrupt."""
+
+
+def _exits_when_built():
+    sys.exit(0)
+
+
+def _exits_with_a_message_when_built():
+    raise SystemExit("no model today")
+
+
+def _stops_when_built():
+    raise _Stop("halt")
+
+
+def _exits_when_called():
+    def fn(x):
+        sys.exit(0)
+
+    return fn, (torch.ones(1),), None
+
+
+def _exits_on_its_second_call():
+    """Passes the plain eager call, then exits inside the audit's own calls of the target."""
+    calls = []
+
+    def fn(x):
+        calls.append(x)
+        if len(calls) > 1:
+            sys.exit(0)
+        return x * 2
+
+    return fn, (torch.ones(1),), None
+
+
+@pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace")
+@pytest.mark.parametrize(
+    ("module_text", "attribute", "expected"),
+    [
+        ("import sys\nsys.exit(0)\n", "target", "raised SystemExit(0) (sys.exit) while importing"),
+        ("raise SystemExit(3)\n", "target", "raised SystemExit(3) (sys.exit) while importing"),
+        ("from tests.test_audit import _exits_when_built as target\n", "target", "SystemExit(0)"),
+        (
+            "from tests.test_audit import _exits_with_a_message_when_built as target\n",
+            "target",
+            "raised SystemExit('no model today') (sys.exit) when called",
+        ),
+        ("from tests.test_audit import _stops_when_built as target\n", "target", "_Stop: halt"),
+        (
+            "from tests.test_audit import _exits_when_called as target\n",
+            "target",
+            "raised SystemExit(0) (sys.exit) during the audit",
+        ),
+        (
+            "from tests.test_audit import _exits_on_its_second_call as target\n",
+            "target",
+            "raised SystemExit(0) (sys.exit) during the audit",
+        ),
+    ],
+    ids=[
+        "exit-0-at-import",
+        "exit-3-at-import",
+        "exit-0-in-factory",
+        "exit-message-in-factory",
+        "base-exception-in-factory",
+        "exit-in-first-call",
+        "exit-in-a-later-call",
+    ],
+)
+def test_a_target_that_exits_is_a_usage_error_not_a_clean_audit(
+    module_text, attribute, expected, tmp_path, monkeypatch, capsys
+):
+    """``sys.exit(0)`` at import, in the factory or in any call of the target must not end the
+    CLI with status 0 and no report: one line naming the target and what it did, exit 2."""
+    module = f"exiting_target_{abs(hash(module_text))}"
+    (tmp_path / f"{module}.py").write_text(module_text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = f"{module}:{attribute}"
+    assert cli.main(["audit", spec]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    (line,) = captured.err.splitlines()
+    assert line.startswith(f"eplb-graph audit: TARGET {spec!r} ") or line.startswith(
+        f"eplb-graph audit: {spec} "
+    )
+    assert expected in line and "must not exit the process" in line
+
+
+def _interrupted_target():
+    raise KeyboardInterrupt
+
+
+def _interrupt(x):
+    raise KeyboardInterrupt
+
+
+def test_keyboard_interrupt_in_a_target_still_interrupts():
+    with pytest.raises(KeyboardInterrupt):
+        load_target("tests.test_audit:_interrupted_target")
+    with pytest.raises(KeyboardInterrupt):
+        run_audit(_interrupt, (torch.ones(1),), None)
+
+
+@pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace")
+def test_a_target_that_exits_during_the_audit_fails_assert_graph_safe():
+    fn, args, _ = _exits_on_its_second_call()
+    with pytest.raises(TargetRaised, match=r"raised SystemExit\(0\) \(sys.exit\) during"):
+        assert_graph_safe(fn, args)
 
 
 def test_target_failing_eagerly_is_a_usage_error(capsys):

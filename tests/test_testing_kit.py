@@ -15,6 +15,7 @@ import eplb_graph.testing as kit
 from eplb_graph import cli
 from eplb_graph.audit import load_target
 from eplb_graph.testing import (
+    GraphRegressionError,
     GraphSafetyError,
     assert_graph_safe,
     capture_commit_replay,
@@ -73,6 +74,23 @@ def test_replay_generates_placements_when_none_are_given():
     assert report.replays == 3
 
 
+@pytest.mark.parametrize(
+    "sample", ["cloned_lookup", "constant_lookup", "per_step_copy", "stale_view"]
+)
+def test_replay_fails_routing_through_a_copy_of_the_lookup(sample):
+    """Graph and eager agree perfectly when both read the same stale copy: the replay must look
+    at where the eager run's tables come from, not only compare the two."""
+    target = load_target(TARGETS[sample])
+    with pytest.raises(GraphRegressionError) as error:
+        capture_commit_replay(
+            target.fn, target.example_args, target.eplb_state, mode="compile:eager"
+        )
+    message = str(error.value)
+    assert message.startswith("compile:eager commit 0 step 0: routing reads a copy of the EPLB")
+    assert "`log2phy` passed to eplb_graph::map_and_record is not read from the live" in message
+    assert "(at tests/broken_models.py:" in message and "fix: pass the EplbState's own" in message
+
+
 def test_auto_mode_follows_the_state_device(monkeypatch):
     assert resolve_graph_mode("auto", SimpleNamespace(device="cpu")) == "compile:inductor"
     assert resolve_graph_mode("compile:eager", SimpleNamespace(device="cpu")) == "compile:eager"
@@ -115,3 +133,26 @@ def test_plugin_mode_option_narrows_the_parametrization(pytester):
     result = pytester.runpytest_inprocess("--eplb-graph-modes=compile:eager", "-v")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*test_modes?compile:eager? PASSED*"])
+
+
+def test_plugin_fixtures_fail_a_model_that_routes_through_a_cloned_lookup(pytester):
+    """The documented example with its lookup cloned into a buffer at build time: both fixtures
+    fail it, naming the copied table."""
+    example = _worked_example()
+    routed = "            s.log2phy[0],\n"
+    assert routed in example, "the worked example no longer routes through s.log2phy[0]"
+    copy_at_build = '        self.register_buffer("lookup", state.log2phy[0].clone())\n'
+    cloned = example.replace(routed, "            self.lookup,\n").replace(
+        "        self.top_k = top_k\n", "        self.top_k = top_k\n" + copy_at_build
+    )
+    pytester.makepyfile(test_cloned_lookup=cloned)
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
+    outcomes = result.parseoutcomes()
+    runnable_device_modes = sum(
+        kit.graph_mode_skip_reason(mode) is None for mode in ("cuda_graph", "npu_graph")
+    )
+    assert outcomes.get("failed") == 3 + runnable_device_modes, result.stdout.str()
+    assert outcomes.get("passed", 0) == 0
+    stale = "*stale_table*`log2phy` passed to eplb_graph::map_and_record is not read from the live*"
+    replay = "*compile:eager commit 0 step 0: routing reads a copy of the EPLB tables*"
+    result.stdout.fnmatch_lines([stale, replay])

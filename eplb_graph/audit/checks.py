@@ -25,8 +25,9 @@ from eplb_graph.audit.findings import (
     location_from_text,
     location_of_callable,
 )
+from eplb_graph.audit.live_tables import live_tables
 from eplb_graph.audit.placements import alternative_placement
-from eplb_graph.audit.report import CheckResult
+from eplb_graph.audit.report import NO_STATE, CheckResult
 from eplb_graph.audit.sync_ops import (
     audit_op_body,
     classify_node,
@@ -34,8 +35,6 @@ from eplb_graph.audit.sync_ops import (
     mutable_target,
     op_body,
 )
-
-NO_STATE = "skipped: no EPLB state given (eplb_state is None), so there is nothing to commit"
 
 
 @dataclass
@@ -469,4 +468,5 @@ CHECKS: dict[str, Callable[[AuditContext], CheckResult]] = {
     "static_inputs": static_inputs,
     "addresses": addresses,
     "python_values": python_values,
+    "live_tables": live_tables,
 }

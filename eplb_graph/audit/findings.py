@@ -32,6 +32,7 @@ KINDS = (
     "non_static_input",
     "address_changed",
     "python_value",
+    "stale_table",
 )
 
 _FILE_LINE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')

@@ -27,6 +27,9 @@ from eplb_graph.audit.findings import Finding, sort_key
 
 SCHEMA_VERSION = 1
 
+#: The note of every check that needs an EPLB state when none was given.
+NO_STATE = "skipped: no EPLB state given (eplb_state is None), so there is nothing to commit"
+
 
 @dataclass
 class CheckResult:

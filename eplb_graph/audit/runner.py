@@ -28,7 +28,20 @@ STATE_METHODS = ("graph_tensors", "data_ptrs", "commit_", "set_step_inputs_", "a
 
 
 class TargetRaised(EplbError, RuntimeError):
-    """The target failed when simply called eagerly: nothing about graphs can be said."""
+    """The target failed when simply called eagerly, or tried to exit the process during the
+    audit: nothing about graphs can be said."""
+
+
+def describe_escape(error: BaseException) -> str:
+    """One-line account of a ``BaseException`` that is not an ``Exception`` (``sys.exit``...).
+
+    A target that calls ``sys.exit(0)`` would otherwise end the CLI with status 0 and no output,
+    which reads as a clean audit; callers turn it into a usage error with this text.
+    """
+    if isinstance(error, SystemExit):
+        return f"raised SystemExit({error.code!r}) (sys.exit)"
+    text = str(error).splitlines()[0] if str(error) else ""
+    return f"raised {type(error).__name__}" + (f": {text}" if text else "")
 
 
 class _CustomOpCalls(TorchDispatchMode):
@@ -123,7 +136,8 @@ def run_audit(
         TypeError: ``eplb_state`` lacks the EPLB state interface, or ``example_args`` is not a
             sequence.
         ValueError: an unknown check name.
-        TargetRaised: ``fn(*example_args)`` raises when called eagerly.
+        TargetRaised: ``fn(*example_args)`` raises when called eagerly, or ``fn`` raises a
+            ``BaseException`` other than ``KeyboardInterrupt`` (``sys.exit``) at any call.
     """
     check_state(eplb_state)
     if isinstance(example_args, torch.Tensor) or not isinstance(example_args, Sequence):
@@ -135,19 +149,26 @@ def run_audit(
     args = tuple(example_args)
     label = target or getattr(fn, "__qualname__", type(fn).__qualname__)
     recorder = _CustomOpCalls()
-    with _quiet_dynamo(), _restored(eplb_state):
-        try:
-            with recorder:
-                fn(*args)
-        except Exception:  # maybe the recording mode itself; the plain call decides
-            logger.info("recording custom-op calls failed; calling %s without it", label)
+    try:
+        with _quiet_dynamo(), _restored(eplb_state):
             try:
-                fn(*args)
-            except Exception as error:
-                raise TargetRaised(f"{label} raised when called eagerly: {error}") from error
-        context = AuditContext(fn, args, eplb_state, eager_op_calls=recorder.calls)
-        try:
-            results = [CHECKS[name](context) for name in names]
-        finally:
-            torch._dynamo.reset()
+                with recorder:
+                    fn(*args)
+            except Exception:  # maybe the recording mode itself; the plain call decides
+                logger.info("recording custom-op calls failed; calling %s without it", label)
+                try:
+                    fn(*args)
+                except Exception as error:
+                    raise TargetRaised(f"{label} raised when called eagerly: {error}") from error
+            context = AuditContext(fn, args, eplb_state, eager_op_calls=recorder.calls)
+            try:
+                results = [CHECKS[name](context) for name in names]
+            finally:
+                torch._dynamo.reset()
+    except (Exception, KeyboardInterrupt):
+        raise
+    except BaseException as error:  # sys.exit() in the target must not pass for a clean audit
+        raise TargetRaised(
+            f"{label} {describe_escape(error)} during the audit; a target must not exit the process"
+        ) from error
     return AuditReport(label, results)

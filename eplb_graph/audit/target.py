@@ -3,20 +3,24 @@
 The callable takes no arguments and returns ``(fn, example_args, eplb_state)``; building the model
 inside a function (rather than at import) lets one module expose several targets and keeps the
 CLI's import cheap. Every way this can go wrong raises :class:`TargetError` with a message naming
-the string, so the CLI can exit 2 with it verbatim.
+the string, so the CLI can exit 2 with it verbatim. That includes target code that calls
+``sys.exit`` (any code) or raises another ``BaseException`` other than ``KeyboardInterrupt``:
+left alone, ``sys.exit(0)`` at import would end the CLI with status 0 and no report, which reads
+as a clean audit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from eplb_graph.audit.runner import check_state
+from eplb_graph.audit.runner import check_state, describe_escape
 from eplb_graph.errors import EplbError
 
 DEFAULT_TARGET = "eplb_graph.models:audit_target"
@@ -34,6 +38,19 @@ class AuditTarget:
     eplb_state: object | None
 
 
+@contextlib.contextmanager
+def _no_exit(spec: str, doing: str) -> Iterator[None]:
+    """Turn an escape of the target's code that is not an ``Exception`` into a TargetError."""
+    try:
+        yield
+    except (Exception, KeyboardInterrupt):
+        raise
+    except BaseException as error:
+        raise TargetError(
+            f"TARGET {spec!r} {describe_escape(error)} {doing}; a target must not exit the process"
+        ) from error
+
+
 def _resolve(spec: str) -> Callable:
     module_name, sep, attribute = spec.partition(":")
     if not sep or not module_name or not attribute:
@@ -42,17 +59,21 @@ def _resolve(spec: str) -> Callable:
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
-        module = importlib.import_module(module_name)
+        with _no_exit(spec, f"while importing module {module_name!r}"):
+            module = importlib.import_module(module_name)
+    except TargetError:
+        raise
     except Exception as error:
         raise TargetError(
             f"cannot import module {module_name!r} of TARGET {spec!r}: "
             f"{type(error).__name__}: {error}"
         ) from error
     value = module
-    for part in attribute.split("."):
-        if not hasattr(value, part):
-            raise TargetError(f"module {module_name!r} has no attribute {attribute!r}")
-        value = getattr(value, part)
+    with _no_exit(spec, f"while reading attribute {attribute!r}"):
+        for part in attribute.split("."):
+            if not hasattr(value, part):
+                raise TargetError(f"module {module_name!r} has no attribute {attribute!r}")
+            value = getattr(value, part)
     if not callable(value):
         raise TargetError(f"TARGET {spec!r} is not callable ({type(value).__name__})")
     return value
@@ -61,6 +82,11 @@ def _resolve(spec: str) -> Callable:
 def load_target(spec: str = DEFAULT_TARGET) -> AuditTarget:
     """Import ``spec``, call it, and validate the ``(fn, example_args, eplb_state)`` it returns."""
     factory = _resolve(spec)
+    with _no_exit(spec, "when called"):
+        return _call_factory(spec, factory)
+
+
+def _call_factory(spec: str, factory: Callable) -> AuditTarget:
     try:
         result = factory()
     except Exception as error:
