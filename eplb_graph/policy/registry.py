@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 
 from eplb_graph.errors import EplbError
-from eplb_graph.policy.preserve import preserve_slots
+from eplb_graph.policy.preserve import preserve_slots, transfers_needed
 from eplb_graph.policy.spread import spread_replicas
 from eplb_graph.tables import check_slots_per_rank
 
@@ -138,6 +138,15 @@ def rebalance(
         num_ranks,
         fewest_moves=name in _BOUNDED_MOVES and old_phy2log is not None,
     )
-    if spread is not phy2log and old_phy2log is not None:
-        spread = preserve_slots(old_phy2log, spread, num_ranks)
+    if spread is phy2log or old_phy2log is None:
+        return spread
+    spread = preserve_slots(old_phy2log, spread, num_ranks)
+    if name in _BOUNDED_MOVES:
+        # A bounded policy's budget is a promise: a layer the post-pass would make cost more
+        # cross-rank copies keeps the policy's row (and its duplicate).
+        costlier = transfers_needed(old_phy2log, spread, num_ranks) > transfers_needed(
+            old_phy2log, phy2log, num_ranks
+        )
+        if bool(costlier.any()):
+            spread = torch.where(costlier[:, None], phy2log, spread)
     return spread
