@@ -474,3 +474,60 @@ def test_unusable_table_entries_map_to_replica_zero_or_minus_one(kernel, ids_dty
     # Only slots in [0, P) that the output names are counted, once per occurrence.
     flat = [s for row in rows for s in row]
     assert load.tolist() == [flat.count(p) for p in range(4)]
+
+
+# -- the native kernel's large-call paths ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("huge_counts", [False, True], ids=["precomputed", "direct"])
+@pytest.mark.parametrize("rows", [300, 17_000], ids=["one-thread", "threads"])
+@pytest.mark.parametrize("op", list(ARGS))
+def test_large_calls_agree_with_the_reference(op, rows, huge_counts):
+    """Calls of 1024+ pairs take other native paths: per-expert precomputed slots (unless a count
+    of 2**32 or more forces the direct lookup), a private histogram, and from 2 * 65536 pairs on
+    several threads. The same hostile values must give the same answer there."""
+    rng = random.Random(f"{op}-{rows}-{huge_counts}")
+    inputs = random_inputs(rng, "mixed-strided", rows=4, top_k=8, experts=7, width=3, slots=30)
+    generator = torch.Generator().manual_seed(rows + huge_counts)
+    for name in ("topk_ids", "physical_ids"):
+        # Mostly in range, with the small case's hostile values (dtype bounds included) mixed in.
+        ids = torch.randint(-2, 33, (rows, 8), generator=generator, dtype=torch.int32)
+        hostile = torch.randint(0, 8, (rows, 8), generator=generator) == 0
+        pool = inputs[name].reshape(-1).repeat(rows * 2)[: rows * 8].reshape(rows, 8)
+        inputs[name] = torch.where(hostile, pool, ids)
+    inputs["num_valid_tokens"] = torch.tensor(rows - 3, dtype=torch.int16)
+    inputs["record_enabled"] = torch.tensor(True)
+    counts = [rng.randint(-2, 5) for _ in range(7)]
+    if huge_counts:
+        counts[3] = 2**32 + 5
+        # An int64 counter at its limit wraps like ATen's (the int32 one of the family does too).
+        inputs["load"] = torch.tensor([INT64_MAX, INT64_MAX - 1, 0] * 10, dtype=torch.int64)
+    inputs["replica_count"] = torch.tensor(counts, dtype=torch.int64)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        outcomes = {
+            "reference": run_kernel(REFERENCE[op], op, inputs),
+            "native": run_kernel(getattr(OPS, op), op, inputs),
+        }
+    finally:
+        torch.set_num_threads(threads)
+    assert outcomes["reference"].error is None, outcomes["reference"].error
+    assert_same_outcome(outcomes)
+
+
+def test_read_only_inputs_may_be_broadcast_views():
+    """Only ``load`` must own its cells: ids, table and counts may be stride-0 (expanded)."""
+    inputs = valid_inputs()
+    inputs["topk_ids"] = torch.tensor([[2, 0, 1]]).expand(5, 3)
+    inputs["physical_ids"] = torch.tensor([3]).expand(4, 6)
+    inputs["log2phy"] = torch.tensor([[1], [2], [0]]).expand(3, 4)
+    inputs["replica_count"] = torch.tensor(3).expand(3)
+    inputs["num_valid_tokens"] = torch.tensor(4)
+    for op in ARGS:
+        outcomes = {
+            "reference": run_kernel(REFERENCE[op], op, inputs),
+            "native": run_kernel(getattr(OPS, op), op, inputs),
+        }
+        assert outcomes["reference"].error is None, outcomes["reference"].error
+        assert_same_outcome(outcomes)

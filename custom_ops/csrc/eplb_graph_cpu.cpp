@@ -29,6 +29,7 @@
 #include <initializer_list>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 namespace {
@@ -237,6 +238,14 @@ inline void run_rows(int64_t begin, int64_t end, int64_t top_k, int64_t offset, 
   }
 }
 
+// `cell + amount` wrapping modulo the counter's width, as ATen's scatter_add_ does in practice:
+// computed unsigned, because a signed overflow is undefined behaviour in C++.
+template <typename load_t>
+inline load_t wrapping_add(load_t cell, int64_t amount) {
+  using bits_t = std::make_unsigned_t<load_t>;
+  return static_cast<load_t>(static_cast<bits_t>(cell) + static_cast<bits_t>(amount));
+}
+
 // How a chunk of rows adds its counts to `load`.
 enum class Counting { kDirect, kAtomic, kHistogram, kHistogramAtomic };
 
@@ -265,7 +274,7 @@ void run_chunk(int64_t begin, int64_t end, int64_t top_k, int64_t offset, const 
         if (atomic) {
           __atomic_fetch_add(cell, static_cast<load_t>(hist[s]), __ATOMIC_RELAXED);
         } else {
-          *cell = static_cast<load_t>(static_cast<int64_t>(*cell) + hist[s]);
+          *cell = wrapping_add(*cell, hist[s]);
         }
       }
     } else if (counting == Counting::kAtomic) {
@@ -276,7 +285,10 @@ void run_chunk(int64_t begin, int64_t end, int64_t top_k, int64_t offset, const 
                            });
     } else {
       run_rows<kMap, true>(begin, counted_end, top_k, offset, ids, out, lookup, slots,
-                           [load, stride](int64_t slot) { load[slot * stride] += 1; });
+                           [load, stride](int64_t slot) {
+                             load_t* cell = load + slot * stride;
+                             *cell = wrapping_add(*cell, 1);
+                           });
     }
   }
   if constexpr (kMap) {
