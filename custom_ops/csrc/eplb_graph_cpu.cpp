@@ -70,12 +70,6 @@ void dispatch_index_type(at::ScalarType type, const char* what, F&& body) {
   }
 }
 
-// The largest slot id an output of this index dtype holds.
-uint64_t max_slot_of(at::ScalarType type) {
-  return type == at::kInt ? static_cast<uint64_t>(std::numeric_limits<int32_t>::max())
-                          : static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
-}
-
 // A checked 0-d integer tensor (check_step_flags), read from CPU memory without item()'s dispatch.
 int64_t read_integer_scalar(const at::Tensor& t) {
   switch (t.scalar_type()) {
@@ -94,17 +88,19 @@ int64_t read_integer_scalar(const at::Tensor& t) {
 
 struct MapArgs {
   int64_t rows, top_k, experts, width, table_row_stride, table_col_stride, count_stride, offset;
-  // The largest slot id the output dtype holds (see resolve_slot).
-  uint64_t max_slot;
 };
 
-// The slot a chosen table entry maps to, as in eplb_graph/ops/reference.py: the entry if it is a
-// usable slot (0 <= entry <= max_slot, so the output cast never wraps), else replica 0's entry if
-// that is usable (torn refresh: new count, old row; replica 0 is populated in every valid row),
-// else -1, like an invalid id. The output is therefore always -1 or an exact table entry.
-inline int64_t resolve_slot(int64_t entry, int64_t first, uint64_t max_slot) {
-  if (static_cast<uint64_t>(entry) <= max_slot) return entry;
-  return static_cast<uint64_t>(first) <= max_slot ? first : -1;
+// The slot a chosen table entry maps to in an output of type out_t, as in
+// eplb_graph/ops/reference.py: the entry if it is a usable slot (0 <= entry <= max(out_t), so the
+// output cast never wraps), else replica 0's entry if that is usable (torn refresh: new count, old
+// row; replica 0 is populated in every valid row), else -1, like an invalid id. The output is
+// therefore always -1 or an exact table entry. The bound is a compile-time constant: with it the
+// hot path is one compare, as cheap as the plain sign test (a runtime bound measurably was not).
+template <typename out_t>
+inline int64_t resolve_slot(int64_t entry, int64_t first) {
+  constexpr uint64_t kMaxSlot = static_cast<uint64_t>(std::numeric_limits<out_t>::max());
+  if (C10_LIKELY(static_cast<uint64_t>(entry) <= kMaxSlot)) return entry;
+  return static_cast<uint64_t>(first) <= kMaxSlot ? first : -1;
 }
 
 struct RecordArgs {
@@ -113,12 +109,11 @@ struct RecordArgs {
 };
 
 // Logical id -> physical slot with the count read per element and a 32-bit modulo.
-template <typename tab_t, typename cnt_t>
+template <typename out_t, typename tab_t, typename cnt_t>
 struct DirectLookup {
   const tab_t* table;
   const cnt_t* count;
   int64_t experts, width, row_stride, col_stride, count_stride;
-  uint64_t max_slot;
 
   inline int64_t operator()(int64_t expert, uint32_t hash) const {
     if (static_cast<uint64_t>(expert) >= static_cast<uint64_t>(experts)) return -1;
@@ -135,8 +130,8 @@ struct DirectLookup {
     // The clamp keeps the column inside the table even if a count exceeds the table width.
     const int64_t column = std::min<int64_t>(replica, width - 1);
     const tab_t* row = table + expert * row_stride;
-    return resolve_slot(static_cast<int64_t>(row[column * col_stride]),
-                        static_cast<int64_t>(row[0]), max_slot);
+    return resolve_slot<out_t>(static_cast<int64_t>(row[column * col_stride]),
+                               static_cast<int64_t>(row[0]));
   }
 };
 
@@ -169,7 +164,7 @@ struct FastLookup {
 
 // Fills the per-expert table and the resolved slots; false if the direct path is better or needed
 // (a count of 2^32 or more, or more resolved entries than the call has (t, k) pairs).
-template <typename tab_t, typename cnt_t>
+template <typename out_t, typename tab_t, typename cnt_t>
 bool make_fast_tables(const tab_t* table, const cnt_t* count, const MapArgs& m, int64_t budget,
                       c10::SmallVector<FastExpert, 512>& experts,
                       c10::SmallVector<int64_t, 2048>& slots) {
@@ -196,7 +191,7 @@ bool make_fast_tables(const tab_t* table, const cnt_t* count, const MapArgs& m, 
     const int64_t used = std::min<int64_t>(c, m.width);
     for (int64_t j = 0; j < used; ++j) {
       slots[next + j] =
-          resolve_slot(static_cast<int64_t>(row[j * m.table_col_stride]), first_slot, m.max_slot);
+          resolve_slot<out_t>(static_cast<int64_t>(row[j * m.table_col_stride]), first_slot);
     }
     next += used;
   }
@@ -408,8 +403,7 @@ MapArgs make_map_args(const at::Tensor& ids, const at::Tensor& log2phy,
                  log2phy.stride(0),
                  log2phy.stride(1),
                  replica_count.stride(0),
-                 *offset.const_data_ptr<int64_t>(),
-                 max_slot_of(ids.scalar_type())};
+                 *offset.const_data_ptr<int64_t>()};
 }
 
 RecordArgs make_record_args(const at::Tensor& load, const at::Tensor& num_valid_tokens,
@@ -418,8 +412,9 @@ RecordArgs make_record_args(const at::Tensor& load, const at::Tensor& num_valid_
                     load.size(0), load.stride(0)};
 }
 
-// Calls `body(lookup, large)` with the fastest lookup that is exact for these inputs.
-template <typename tab_t, typename cnt_t, typename F>
+// Calls `body(lookup, large)` with the fastest lookup that is exact for these inputs, whose
+// output has type out_t.
+template <typename out_t, typename tab_t, typename cnt_t, typename F>
 void with_lookup(const tab_t* table, const cnt_t* count, const MapArgs& m, int64_t slots,
                  F&& body) {
   const int64_t elements = m.rows * m.top_k;
@@ -427,13 +422,13 @@ void with_lookup(const tab_t* table, const cnt_t* count, const MapArgs& m, int64
   if (large) {
     c10::SmallVector<FastExpert, 512> experts;
     c10::SmallVector<int64_t, 2048> resolved;
-    if (make_fast_tables(table, count, m, elements, experts, resolved)) {
+    if (make_fast_tables<out_t>(table, count, m, elements, experts, resolved)) {
       body(FastLookup{experts.data(), resolved.data(), m.experts, m.width - 1}, true);
       return;
     }
   }
-  body(DirectLookup<tab_t, cnt_t>{table, count, m.experts, m.width, m.table_row_stride,
-                                  m.table_col_stride, m.count_stride, m.max_slot},
+  body(DirectLookup<out_t, tab_t, cnt_t>{table, count, m.experts, m.width, m.table_row_stride,
+                                         m.table_col_stride, m.count_stride},
        large);
 }
 
@@ -458,19 +453,21 @@ at::Tensor map_impl(const at::Tensor& topk_ids, const at::Tensor& log2phy,
         using cnt_t = decltype(cnt_tag);
         const id_t* in = ids.const_data_ptr<id_t>();
         id_t* dst = out.mutable_data_ptr<id_t>();
-        with_lookup(log2phy.const_data_ptr<tab_t>(), replica_count.const_data_ptr<cnt_t>(), m,
-                    kRecord ? r.slots : 0, [&](const auto& lookup, bool large) {
-                      if constexpr (kRecord) {
-                        dispatch_index_type(load->scalar_type(), "load", [&](auto load_tag) {
-                          using load_t = decltype(load_tag);
-                          run<true, true>(in, dst, lookup, m.rows, m.top_k, m.offset,
-                                          load->mutable_data_ptr<load_t>(), r, large);
-                        });
-                      } else {
-                        run<true, false>(in, dst, lookup, m.rows, m.top_k, m.offset,
-                                         static_cast<int64_t*>(nullptr), r, large);
-                      }
-                    });
+        const tab_t* table = log2phy.const_data_ptr<tab_t>();
+        const cnt_t* count = replica_count.const_data_ptr<cnt_t>();
+        with_lookup<id_t>(table, count, m, kRecord ? r.slots : 0, [&](const auto& lookup,
+                                                                      bool large) {
+          if constexpr (kRecord) {
+            dispatch_index_type(load->scalar_type(), "load", [&](auto load_tag) {
+              using load_t = decltype(load_tag);
+              run<true, true>(in, dst, lookup, m.rows, m.top_k, m.offset,
+                              load->mutable_data_ptr<load_t>(), r, large);
+            });
+          } else {
+            run<true, false>(in, dst, lookup, m.rows, m.top_k, m.offset,
+                             static_cast<int64_t*>(nullptr), r, large);
+          }
+        });
       });
     });
   });
