@@ -605,10 +605,7 @@ DEVICE_CASES = [
 @pytest.mark.parametrize(("op", "arg"), DEVICE_CASES)
 def test_tensors_on_two_devices_raise_naming_the_argument(kernel, op, arg):
     inputs = op_inputs(op, arg, lambda t: t.to("meta"))
-    name = {"map_and_record": "map_to_physical"}.get(op, op)
-    if op == "map_and_record" and arg in RECORD_ARGS:
-        name = "record_load"
-    message = f"{name}: all tensors must be on one device.*\\b{arg} (is )?on meta"
+    message = f"{op}: all tensors must be on one device.*\\b{arg} (is )?on meta"
     with pytest.raises(RuntimeError, match=message):
         if kernel == "reference":
             REFERENCE[op](*inputs)

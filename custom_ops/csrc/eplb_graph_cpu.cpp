@@ -26,7 +26,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
+#include <string>
+#include <type_traits>
+#include <utility>
 
 namespace {
 
@@ -45,6 +49,13 @@ inline uint32_t replica_hash(int64_t row, int64_t offset) {
   return x * kGoldenHash;
 }
 
+// A dtype as Python spells it ("torch.int32"), so messages equal eplb_graph/ops/checks.py's.
+std::string dtype_name(at::ScalarType type) {
+  return "torch." + std::string(c10::getDtypeNames(type).first);
+}
+
+bool is_index_type(at::ScalarType type) { return type == at::kInt || type == at::kLong; }
+
 template <typename F>
 void dispatch_index_type(at::ScalarType type, const char* what, F&& body) {
   switch (type) {
@@ -55,21 +66,13 @@ void dispatch_index_type(at::ScalarType type, const char* what, F&& body) {
       body(int64_t{});
       break;
     default:
-      TORCH_CHECK(false, what, " should be int32 or int64, got ", type);
+      TORCH_CHECK(false, what, " should be int32 or int64, got ", dtype_name(type));
   }
 }
 
-void check_index_dtype(const at::Tensor& t, const char* what) {
-  const auto type = t.scalar_type();
-  TORCH_CHECK(type == at::kInt || type == at::kLong, what, " should be int32 or int64, got ", type);
-}
-
-int64_t read_integer_scalar(const at::Tensor& t, const char* what) {
-  TORCH_CHECK(t.dim() == 0, what, " should be a 0-d tensor, got ", t.dim(), "D");
-  // The same set as eplb_graph/ops/checks.py, so eager CPU and compiled graphs accept alike.
-  // CPU memory: a plain load, without the dispatch of item().
-  const auto type = t.scalar_type();
-  switch (type) {
+// A checked 0-d integer tensor (check_step_flags), read from CPU memory without item()'s dispatch.
+int64_t read_integer_scalar(const at::Tensor& t) {
+  switch (t.scalar_type()) {
     case at::kByte:
       return *t.const_data_ptr<uint8_t>();
     case at::kChar:
@@ -78,10 +81,8 @@ int64_t read_integer_scalar(const at::Tensor& t, const char* what) {
       return *t.const_data_ptr<int16_t>();
     case at::kInt:
       return *t.const_data_ptr<int32_t>();
-    case at::kLong:
-      return *t.const_data_ptr<int64_t>();
     default:
-      TORCH_CHECK(false, what, " should be an integer tensor, got ", type);
+      return *t.const_data_ptr<int64_t>();
   }
 }
 
@@ -89,13 +90,26 @@ struct MapArgs {
   int64_t rows, top_k, experts, width, table_row_stride, table_col_stride, count_stride, offset;
 };
 
+// The slot a chosen table entry maps to in an output of type out_t, as in
+// eplb_graph/ops/reference.py: the entry if it is a usable slot (0 <= entry <= max(out_t), so the
+// output cast never wraps), else replica 0's entry if that is usable (torn refresh: new count, old
+// row; replica 0 is populated in every valid row), else -1, like an invalid id. The output is
+// therefore always -1 or an exact table entry. The bound is a compile-time constant: with it the
+// hot path is one compare, as cheap as the plain sign test (a runtime bound measurably was not).
+template <typename out_t>
+inline int64_t resolve_slot(int64_t entry, int64_t first) {
+  constexpr uint64_t kMaxSlot = static_cast<uint64_t>(std::numeric_limits<out_t>::max());
+  if (C10_LIKELY(static_cast<uint64_t>(entry) <= kMaxSlot)) return entry;
+  return static_cast<uint64_t>(first) <= kMaxSlot ? first : -1;
+}
+
 struct RecordArgs {
   bool enabled;
   int64_t valid_rows, slots, load_stride;
 };
 
 // Logical id -> physical slot with the count read per element and a 32-bit modulo.
-template <typename tab_t, typename cnt_t>
+template <typename out_t, typename tab_t, typename cnt_t>
 struct DirectLookup {
   const tab_t* table;
   const cnt_t* count;
@@ -116,9 +130,8 @@ struct DirectLookup {
     // The clamp keeps the column inside the table even if a count exceeds the table width.
     const int64_t column = std::min<int64_t>(replica, width - 1);
     const tab_t* row = table + expert * row_stride;
-    const int64_t slot = static_cast<int64_t>(row[column * col_stride]);
-    // Torn refresh (new count, old row): replica 0 is populated in every valid row.
-    return slot >= 0 ? slot : static_cast<int64_t>(row[0]);
+    return resolve_slot<out_t>(static_cast<int64_t>(row[column * col_stride]),
+                               static_cast<int64_t>(row[0]));
   }
 };
 
@@ -151,7 +164,7 @@ struct FastLookup {
 
 // Fills the per-expert table and the resolved slots; false if the direct path is better or needed
 // (a count of 2^32 or more, or more resolved entries than the call has (t, k) pairs).
-template <typename tab_t, typename cnt_t>
+template <typename out_t, typename tab_t, typename cnt_t>
 bool make_fast_tables(const tab_t* table, const cnt_t* count, const MapArgs& m, int64_t budget,
                       c10::SmallVector<FastExpert, 512>& experts,
                       c10::SmallVector<int64_t, 2048>& slots) {
@@ -177,9 +190,8 @@ bool make_fast_tables(const tab_t* table, const cnt_t* count, const MapArgs& m, 
                             static_cast<uint32_t>(next)};
     const int64_t used = std::min<int64_t>(c, m.width);
     for (int64_t j = 0; j < used; ++j) {
-      const int64_t slot = static_cast<int64_t>(row[j * m.table_col_stride]);
-      // Torn refresh (new count, old row): replica 0 is populated in every valid row.
-      slots[next + j] = slot >= 0 ? slot : first_slot;
+      slots[next + j] =
+          resolve_slot<out_t>(static_cast<int64_t>(row[j * m.table_col_stride]), first_slot);
     }
     next += used;
   }
@@ -221,6 +233,14 @@ inline void run_rows(int64_t begin, int64_t end, int64_t top_k, int64_t offset, 
   }
 }
 
+// `cell + amount` wrapping modulo the counter's width, as ATen's scatter_add_ does in practice:
+// computed unsigned, because a signed overflow is undefined behaviour in C++.
+template <typename load_t>
+inline load_t wrapping_add(load_t cell, int64_t amount) {
+  using bits_t = std::make_unsigned_t<load_t>;
+  return static_cast<load_t>(static_cast<bits_t>(cell) + static_cast<bits_t>(amount));
+}
+
 // How a chunk of rows adds its counts to `load`.
 enum class Counting { kDirect, kAtomic, kHistogram, kHistogramAtomic };
 
@@ -249,7 +269,7 @@ void run_chunk(int64_t begin, int64_t end, int64_t top_k, int64_t offset, const 
         if (atomic) {
           __atomic_fetch_add(cell, static_cast<load_t>(hist[s]), __ATOMIC_RELAXED);
         } else {
-          *cell = static_cast<load_t>(static_cast<int64_t>(*cell) + hist[s]);
+          *cell = wrapping_add(*cell, hist[s]);
         }
       }
     } else if (counting == Counting::kAtomic) {
@@ -260,7 +280,10 @@ void run_chunk(int64_t begin, int64_t end, int64_t top_k, int64_t offset, const 
                            });
     } else {
       run_rows<kMap, true>(begin, counted_end, top_k, offset, ids, out, lookup, slots,
-                           [load, stride](int64_t slot) { load[slot * stride] += 1; });
+                           [load, stride](int64_t slot) {
+                             load_t* cell = load + slot * stride;
+                             *cell = wrapping_add(*cell, 1);
+                           });
     }
   }
   if constexpr (kMap) {
@@ -287,52 +310,111 @@ void run(const id_t* ids, id_t* out, const Lookup& lookup, int64_t rows, int64_t
   });
 }
 
-void check_cpu(const at::Tensor& t, const char* what) {
-  TORCH_CHECK(t.device().is_cpu(), what, " must be a CPU tensor for the native CPU kernel, got ",
-              t.device());
+// Input checks: the same checks, in the same order, with the same messages as
+// eplb_graph/ops/checks.py (the fake and reference kernels), so that every kernel rejects an input
+// with the same error. Everything is checked before anything is read or written.
+
+void check_index_dtype(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(is_index_type(t.scalar_type()), what, " should be int32 or int64, got ",
+              dtype_name(t.scalar_type()));
 }
 
-MapArgs make_map_args(const at::Tensor& ids, const at::Tensor& log2phy,
-                      const at::Tensor& replica_count, const at::Tensor& offset) {
+void check_map_tensors(const at::Tensor& ids, const at::Tensor& log2phy,
+                       const at::Tensor& replica_count, const at::Tensor& offset) {
   TORCH_CHECK(ids.dim() == 2, "topk_ids should be a 2d tensor [T, K], got ", ids.dim(), "D");
+  check_index_dtype(ids, "topk_ids");
   TORCH_CHECK(log2phy.dim() == 2, "log2phy should be a 2d tensor [N, R], got ", log2phy.dim(), "D");
+  check_index_dtype(log2phy, "log2phy");
   TORCH_CHECK(log2phy.size(0) >= 1 && log2phy.size(1) >= 1,
               "log2phy should have at least one expert and one replica column, got ",
               log2phy.sizes());
   TORCH_CHECK(replica_count.dim() == 1, "replica_count should be a 1d tensor [N], got ",
               replica_count.dim(), "D");
+  check_index_dtype(replica_count, "replica_count");
   TORCH_CHECK(replica_count.size(0) == log2phy.size(0), "replica_count has ",
               replica_count.size(0), " experts but log2phy has ", log2phy.size(0));
   TORCH_CHECK(offset.dim() == 0, "offset should be a 0-d tensor, got ", offset.dim(), "D");
   TORCH_CHECK(offset.scalar_type() == at::kLong, "offset should be int64, got ",
-              offset.scalar_type());
-  check_cpu(ids, "topk_ids");
-  check_cpu(log2phy, "log2phy");
-  check_cpu(replica_count, "replica_count");
-  check_cpu(offset, "offset");
-  return MapArgs{ids.size(0),          ids.size(1),           log2phy.size(0),
-                 log2phy.size(1),      log2phy.stride(0),     log2phy.stride(1),
-                 replica_count.stride(0), *offset.const_data_ptr<int64_t>()};
+              dtype_name(offset.scalar_type()));
+}
+
+// A counter per slot: at least one slot and one memory cell per slot (a stride-0 view would put
+// every count in one cell).
+void check_load(const at::Tensor& load) {
+  TORCH_CHECK(load.dim() == 1, "load should be a 1d tensor [P], got ", load.dim(), "D");
+  check_index_dtype(load, "load");
+  TORCH_CHECK(load.size(0) >= 1, "load should have at least one slot, got 0");
+  TORCH_CHECK(load.size(0) == 1 || load.stride(0) != 0,
+              "load has several slots in one memory cell (stride 0, e.g. from expand()); pass a "
+              "tensor with one element per slot (clone() it)");
+}
+
+void check_step_flags(const at::Tensor& num_valid_tokens, const at::Tensor& record_enabled) {
+  TORCH_CHECK(num_valid_tokens.dim() == 0, "num_valid_tokens should be a 0-d tensor, got ",
+              num_valid_tokens.dim(), "D");
+  const auto type = num_valid_tokens.scalar_type();
+  TORCH_CHECK(type == at::kByte || type == at::kChar || type == at::kShort || type == at::kInt ||
+                  type == at::kLong,
+              "num_valid_tokens should be an integer tensor, got ", dtype_name(type));
+  TORCH_CHECK(record_enabled.dim() == 0, "record_enabled should be a 0-d tensor, got ",
+              record_enabled.dim(), "D");
+  TORCH_CHECK(record_enabled.scalar_type() == at::kBool,
+              "record_enabled should be a bool tensor, got ",
+              dtype_name(record_enabled.scalar_type()));
+}
+
+void check_cpu(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu(), what, " must be a CPU tensor for the native CPU kernel, got ",
+              t.device());
+}
+
+// True when a and b are views of one storage whose byte ranges intersect (checks.py's _overlaps).
+// The address test comes first: it is a few compares, and on one storage it is the same test.
+bool overlaps(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0) return false;
+  const auto span = [](const at::Tensor& t) {
+    int64_t last = 0;
+    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+    const char* first = static_cast<const char*>(t.const_data_ptr());
+    return std::make_pair(first, first + (last + 1) * static_cast<int64_t>(t.element_size()));
+  };
+  const auto [a_begin, a_end] = span(a);
+  const auto [b_begin, b_end] = span(b);
+  return a_begin < b_end && b_begin < a_end && a.is_alias_of(b);
+}
+
+using NamedInputs = std::initializer_list<std::pair<const char*, const at::Tensor*>>;
+
+// The op writes load while it reads its other inputs: load must not overlap any of them.
+void check_load_is_private(const at::Tensor& load, NamedInputs read_only) {
+  for (const auto& [name, tensor] : read_only) {
+    TORCH_CHECK(!overlaps(load, *tensor), "load shares memory with ", name,
+                "; the op writes load while it reads ", name,
+                ", so give load its own storage (clone() it)");
+  }
+}
+
+MapArgs make_map_args(const at::Tensor& ids, const at::Tensor& log2phy,
+                      const at::Tensor& replica_count, const at::Tensor& offset) {
+  return MapArgs{ids.size(0),
+                 ids.size(1),
+                 log2phy.size(0),
+                 log2phy.size(1),
+                 log2phy.stride(0),
+                 log2phy.stride(1),
+                 replica_count.stride(0),
+                 *offset.const_data_ptr<int64_t>()};
 }
 
 RecordArgs make_record_args(const at::Tensor& load, const at::Tensor& num_valid_tokens,
                             const at::Tensor& record_enabled) {
-  TORCH_CHECK(load.dim() == 1, "load should be a 1d tensor [P], got ", load.dim(), "D");
-  check_index_dtype(load, "load");
-  TORCH_CHECK(record_enabled.dim() == 0, "record_enabled should be a 0-d tensor, got ",
-              record_enabled.dim(), "D");
-  TORCH_CHECK(record_enabled.scalar_type() == at::kBool,
-              "record_enabled should be a bool tensor, got ", record_enabled.scalar_type());
-  check_cpu(load, "load");
-  check_cpu(num_valid_tokens, "num_valid_tokens");
-  check_cpu(record_enabled, "record_enabled");
-  return RecordArgs{*record_enabled.const_data_ptr<bool>(),
-                    read_integer_scalar(num_valid_tokens, "num_valid_tokens"), load.size(0),
-                    load.stride(0)};
+  return RecordArgs{*record_enabled.const_data_ptr<bool>(), read_integer_scalar(num_valid_tokens),
+                    load.size(0), load.stride(0)};
 }
 
-// Calls `body(lookup, large)` with the fastest lookup that is exact for these inputs.
-template <typename tab_t, typename cnt_t, typename F>
+// Calls `body(lookup, large)` with the fastest lookup that is exact for these inputs, whose
+// output has type out_t.
+template <typename out_t, typename tab_t, typename cnt_t, typename F>
 void with_lookup(const tab_t* table, const cnt_t* count, const MapArgs& m, int64_t slots,
                  F&& body) {
   const int64_t elements = m.rows * m.top_k;
@@ -340,13 +422,13 @@ void with_lookup(const tab_t* table, const cnt_t* count, const MapArgs& m, int64
   if (large) {
     c10::SmallVector<FastExpert, 512> experts;
     c10::SmallVector<int64_t, 2048> resolved;
-    if (make_fast_tables(table, count, m, elements, experts, resolved)) {
+    if (make_fast_tables<out_t>(table, count, m, elements, experts, resolved)) {
       body(FastLookup{experts.data(), resolved.data(), m.experts, m.width - 1}, true);
       return;
     }
   }
-  body(DirectLookup<tab_t, cnt_t>{table, count, m.experts, m.width, m.table_row_stride,
-                                  m.table_col_stride, m.count_stride},
+  body(DirectLookup<out_t, tab_t, cnt_t>{table, count, m.experts, m.width, m.table_row_stride,
+                                         m.table_col_stride, m.count_stride},
        large);
 }
 
@@ -371,19 +453,21 @@ at::Tensor map_impl(const at::Tensor& topk_ids, const at::Tensor& log2phy,
         using cnt_t = decltype(cnt_tag);
         const id_t* in = ids.const_data_ptr<id_t>();
         id_t* dst = out.mutable_data_ptr<id_t>();
-        with_lookup(log2phy.const_data_ptr<tab_t>(), replica_count.const_data_ptr<cnt_t>(), m,
-                    kRecord ? r.slots : 0, [&](const auto& lookup, bool large) {
-                      if constexpr (kRecord) {
-                        dispatch_index_type(load->scalar_type(), "load", [&](auto load_tag) {
-                          using load_t = decltype(load_tag);
-                          run<true, true>(in, dst, lookup, m.rows, m.top_k, m.offset,
-                                          load->mutable_data_ptr<load_t>(), r, large);
-                        });
-                      } else {
-                        run<true, false>(in, dst, lookup, m.rows, m.top_k, m.offset,
-                                         static_cast<int64_t*>(nullptr), r, large);
-                      }
-                    });
+        const tab_t* table = log2phy.const_data_ptr<tab_t>();
+        const cnt_t* count = replica_count.const_data_ptr<cnt_t>();
+        with_lookup<id_t>(table, count, m, kRecord ? r.slots : 0, [&](const auto& lookup,
+                                                                      bool large) {
+          if constexpr (kRecord) {
+            dispatch_index_type(load->scalar_type(), "load", [&](auto load_tag) {
+              using load_t = decltype(load_tag);
+              run<true, true>(in, dst, lookup, m.rows, m.top_k, m.offset,
+                              load->mutable_data_ptr<load_t>(), r, large);
+            });
+          } else {
+            run<true, false>(in, dst, lookup, m.rows, m.top_k, m.offset,
+                             static_cast<int64_t*>(nullptr), r, large);
+          }
+        });
       });
     });
   });
@@ -392,17 +476,30 @@ at::Tensor map_impl(const at::Tensor& topk_ids, const at::Tensor& log2phy,
 
 at::Tensor map_to_physical_cpu(const at::Tensor& topk_ids, const at::Tensor& log2phy,
                                const at::Tensor& replica_count, const at::Tensor& offset) {
+  check_map_tensors(topk_ids, log2phy, replica_count, offset);
+  check_cpu(topk_ids, "topk_ids");
+  check_cpu(log2phy, "log2phy");
+  check_cpu(replica_count, "replica_count");
+  check_cpu(offset, "offset");
   return map_impl<false>(topk_ids, log2phy, replica_count, offset, nullptr,
                          RecordArgs{false, 0, 0, 1});
 }
 
 void record_load_cpu(at::Tensor& load, const at::Tensor& physical_ids,
                      const at::Tensor& num_valid_tokens, const at::Tensor& record_enabled) {
-  const RecordArgs r = make_record_args(load, num_valid_tokens, record_enabled);
+  check_load(load);
   TORCH_CHECK(physical_ids.dim() == 2, "physical_ids should be a 2d tensor [T, K], got ",
               physical_ids.dim(), "D");
   check_index_dtype(physical_ids, "physical_ids");
+  check_step_flags(num_valid_tokens, record_enabled);
+  check_cpu(load, "load");
   check_cpu(physical_ids, "physical_ids");
+  check_cpu(num_valid_tokens, "num_valid_tokens");
+  check_cpu(record_enabled, "record_enabled");
+  check_load_is_private(load, {{"physical_ids", &physical_ids},
+                               {"num_valid_tokens", &num_valid_tokens},
+                               {"record_enabled", &record_enabled}});
+  const RecordArgs r = make_record_args(load, num_valid_tokens, record_enabled);
   if (!r.enabled) return;
   const at::Tensor ids = physical_ids.contiguous();
   const int64_t elements = ids.numel();
@@ -421,6 +518,22 @@ at::Tensor map_and_record_cpu(const at::Tensor& topk_ids, const at::Tensor& log2
                               const at::Tensor& replica_count, const at::Tensor& offset,
                               at::Tensor& load, const at::Tensor& num_valid_tokens,
                               const at::Tensor& record_enabled) {
+  check_map_tensors(topk_ids, log2phy, replica_count, offset);
+  check_load(load);
+  check_step_flags(num_valid_tokens, record_enabled);
+  check_cpu(topk_ids, "topk_ids");
+  check_cpu(log2phy, "log2phy");
+  check_cpu(replica_count, "replica_count");
+  check_cpu(offset, "offset");
+  check_cpu(load, "load");
+  check_cpu(num_valid_tokens, "num_valid_tokens");
+  check_cpu(record_enabled, "record_enabled");
+  check_load_is_private(load, {{"topk_ids", &topk_ids},
+                               {"log2phy", &log2phy},
+                               {"replica_count", &replica_count},
+                               {"offset", &offset},
+                               {"num_valid_tokens", &num_valid_tokens},
+                               {"record_enabled", &record_enabled}});
   const RecordArgs r = make_record_args(load, num_valid_tokens, record_enabled);
   if (!r.enabled) {
     return map_impl<false>(topk_ids, log2phy, replica_count, offset, nullptr, r);

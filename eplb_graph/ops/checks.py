@@ -3,7 +3,12 @@
 Why shared: the fake (meta) kernel is what torch.compile and opcheck see, the reference kernel is
 what eager runs when no native kernel exists. Both must reject the same inputs with the same
 message, and neither may read tensor *data* (that would be a host sync on a device), so every
-check here looks only at ranks, dtypes and devices.
+check here looks only at ranks, shapes, strides, dtypes, devices and storages. The native CPU
+kernel (``custom_ops/csrc/eplb_graph_cpu.cpp``) repeats these checks in the same order with the
+same messages, so every kernel gives the same error for the same input.
+
+What the checks cannot see (table *values*) has a defined result instead of an error, the same
+in every kernel: see :func:`eplb_graph.ops.map_to_physical`.
 """
 
 from __future__ import annotations
@@ -25,32 +30,7 @@ def check_map_args(
     offset: torch.Tensor,
 ) -> None:
     """Validate ``map_to_physical`` inputs (ids [T, K], log2phy [N, R], count [N])."""
-    _check(topk_ids.dim() == 2, f"topk_ids should be a 2d tensor [T, K], got {topk_ids.dim()}D")
-    _check(
-        topk_ids.dtype in INDEX_DTYPES,
-        f"topk_ids should be int32 or int64, got {topk_ids.dtype}",
-    )
-    _check(log2phy.dim() == 2, f"log2phy should be a 2d tensor [N, R], got {log2phy.dim()}D")
-    _check(log2phy.dtype in INDEX_DTYPES, f"log2phy should be int32 or int64, got {log2phy.dtype}")
-    _check(
-        log2phy.shape[0] >= 1 and log2phy.shape[1] >= 1,
-        "log2phy should have at least one expert and one replica column, "
-        f"got {tuple(log2phy.shape)}",
-    )
-    _check(
-        replica_count.dim() == 1,
-        f"replica_count should be a 1d tensor [N], got {replica_count.dim()}D",
-    )
-    _check(
-        replica_count.dtype in INDEX_DTYPES,
-        f"replica_count should be int32 or int64, got {replica_count.dtype}",
-    )
-    _check(
-        replica_count.shape[0] == log2phy.shape[0],
-        f"replica_count has {replica_count.shape[0]} experts but log2phy has {log2phy.shape[0]}",
-    )
-    _check(offset.dim() == 0, f"offset should be a 0-d tensor, got {offset.dim()}D")
-    _check(offset.dtype == torch.int64, f"offset should be int64, got {offset.dtype}")
+    _check_map_tensors(topk_ids, log2phy, replica_count, offset)
     _check_same_device(
         "map_to_physical",
         topk_ids=topk_ids,
@@ -67,8 +47,7 @@ def check_record_args(
     record_enabled: torch.Tensor,
 ) -> None:
     """Validate the inputs of ``record_load`` (shapes: load [P], physical_ids [T, K], flags 0-d)."""
-    _check(load.dim() == 1, f"load should be a 1d tensor [P], got {load.dim()}D")
-    _check(load.dtype in INDEX_DTYPES, f"load should be int32 or int64, got {load.dtype}")
+    _check_load(load)
     _check(
         physical_ids.dim() == 2,
         f"physical_ids should be a 2d tensor [T, K], got {physical_ids.dim()}D",
@@ -77,6 +56,103 @@ def check_record_args(
         physical_ids.dtype in INDEX_DTYPES,
         f"physical_ids should be int32 or int64, got {physical_ids.dtype}",
     )
+    _check_step_flags(num_valid_tokens, record_enabled)
+    read_only = {
+        "physical_ids": physical_ids,
+        "num_valid_tokens": num_valid_tokens,
+        "record_enabled": record_enabled,
+    }
+    _check_same_device("record_load", load=load, **read_only)
+    _check_load_is_private(load, read_only)
+
+
+def check_map_and_record_args(
+    topk_ids: torch.Tensor,
+    log2phy: torch.Tensor,
+    replica_count: torch.Tensor,
+    offset: torch.Tensor,
+    load: torch.Tensor,
+    num_valid_tokens: torch.Tensor,
+    record_enabled: torch.Tensor,
+) -> None:
+    """Validate every input of ``map_and_record`` before anything is computed or written."""
+    _check_map_tensors(topk_ids, log2phy, replica_count, offset)
+    _check_load(load)
+    _check_step_flags(num_valid_tokens, record_enabled)
+    _check_same_device(
+        "map_and_record",
+        topk_ids=topk_ids,
+        log2phy=log2phy,
+        replica_count=replica_count,
+        offset=offset,
+        load=load,
+        num_valid_tokens=num_valid_tokens,
+        record_enabled=record_enabled,
+    )
+    _check_load_is_private(
+        load,
+        {
+            "topk_ids": topk_ids,
+            "log2phy": log2phy,
+            "replica_count": replica_count,
+            "offset": offset,
+            "num_valid_tokens": num_valid_tokens,
+            "record_enabled": record_enabled,
+        },
+    )
+
+
+def _check_map_tensors(
+    topk_ids: torch.Tensor,
+    log2phy: torch.Tensor,
+    replica_count: torch.Tensor,
+    offset: torch.Tensor,
+) -> None:
+    _check(topk_ids.dim() == 2, f"topk_ids should be a 2d tensor [T, K], got {topk_ids.dim()}D")
+    _check(
+        topk_ids.dtype in INDEX_DTYPES,
+        f"topk_ids should be int32 or int64, got {topk_ids.dtype}",
+    )
+    _check(log2phy.dim() == 2, f"log2phy should be a 2d tensor [N, R], got {log2phy.dim()}D")
+    _check(log2phy.dtype in INDEX_DTYPES, f"log2phy should be int32 or int64, got {log2phy.dtype}")
+    _check(
+        log2phy.shape[0] >= 1 and log2phy.shape[1] >= 1,
+        "log2phy should have at least one expert and one replica column, "
+        f"got {list(log2phy.shape)}",
+    )
+    _check(
+        replica_count.dim() == 1,
+        f"replica_count should be a 1d tensor [N], got {replica_count.dim()}D",
+    )
+    _check(
+        replica_count.dtype in INDEX_DTYPES,
+        f"replica_count should be int32 or int64, got {replica_count.dtype}",
+    )
+    _check(
+        replica_count.shape[0] == log2phy.shape[0],
+        f"replica_count has {replica_count.shape[0]} experts but log2phy has {log2phy.shape[0]}",
+    )
+    _check(offset.dim() == 0, f"offset should be a 0-d tensor, got {offset.dim()}D")
+    _check(offset.dtype == torch.int64, f"offset should be int64, got {offset.dtype}")
+
+
+def _check_load(load: torch.Tensor) -> None:
+    """``load`` is a counter per slot: at least one slot, and one memory cell per slot.
+
+    A stride-0 view (``expand``) would make every slot's count land in one cell, so the counts
+    would be silently wrong; ATen's in-place ops refuse such a target for the same reason.
+    """
+    _check(load.dim() == 1, f"load should be a 1d tensor [P], got {load.dim()}D")
+    _check(load.dtype in INDEX_DTYPES, f"load should be int32 or int64, got {load.dtype}")
+    _check(load.shape[0] >= 1, "load should have at least one slot, got 0")
+    _check(
+        load.shape[0] == 1 or load.stride(0) != 0,
+        "load has several slots in one memory cell (stride 0, e.g. from expand()); "
+        "pass a tensor with one element per slot (clone() it)",
+    )
+
+
+def _check_step_flags(num_valid_tokens: torch.Tensor, record_enabled: torch.Tensor) -> None:
     _check(
         num_valid_tokens.dim() == 0,
         f"num_valid_tokens should be a 0-d tensor, got {num_valid_tokens.dim()}D",
@@ -93,13 +169,6 @@ def check_record_args(
         record_enabled.dtype == torch.bool,
         f"record_enabled should be a bool tensor, got {record_enabled.dtype}",
     )
-    _check_same_device(
-        "record_load",
-        load=load,
-        physical_ids=physical_ids,
-        num_valid_tokens=num_valid_tokens,
-        record_enabled=record_enabled,
-    )
 
 
 def _check_same_device(op: str, **tensors: torch.Tensor) -> None:
@@ -112,3 +181,42 @@ def _check_same_device(op: str, **tensors: torch.Tensor) -> None:
             f"{op}: all tensors must be on one device, got {first} and {tensor.device} "
             f"({name} is on {tensor.device}, {first_name} on {first})",
         )
+
+
+def _check_load_is_private(load: torch.Tensor, read_only: dict[str, torch.Tensor]) -> None:
+    """``load`` shares no memory with an input the op reads.
+
+    The schema promises that only ``load`` is written; were it to overlap an input, the native
+    kernel (which counts while it reads, row by row) and the reference (which reads everything
+    first) would see different inputs and give different answers.
+    """
+    for name, tensor in read_only.items():
+        _check(
+            not _overlaps(load, tensor),
+            f"load shares memory with {name}; the op writes load while it reads {name}, "
+            f"so give load its own storage (clone() it)",
+        )
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when ``a`` and ``b`` are views of one storage whose byte ranges intersect.
+
+    Only metadata is read (storage identity, offsets, sizes, strides), so this works on fake
+    tensors. Ranges are the bounding byte spans of each view, which may call two interleaved
+    views overlapping; the ops never need such inputs.
+    """
+    if not torch._C._is_alias_of(a, b):
+        return False
+    span_a, span_b = _byte_span(a), _byte_span(b)
+    if span_a is None or span_b is None:
+        return False
+    return span_a[0] < span_b[1] and span_b[0] < span_a[1]
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int] | None:
+    """``[first byte, past the last byte)`` of ``t`` within its storage; None when empty."""
+    if t.numel() == 0:
+        return None
+    extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+    last = t.storage_offset() + extent
+    return t.storage_offset() * t.element_size(), (last + 1) * t.element_size()

@@ -62,7 +62,9 @@ def register_torchair_converters(torchair: ModuleType) -> list[str]:
 
     def _hash(num_rows, offset):
         rows = ge.Range(0, num_rows, 1)
-        x = ge.BitwiseAnd(ge.Add(ge.Cast(rows, dst_type=torch.int64), offset), 0xFFFFFFFF)
+        # The offset is reduced mod 2**32 first, so the add never overflows int64.
+        low_offset = ge.BitwiseAnd(offset, 0xFFFFFFFF)
+        x = ge.BitwiseAnd(ge.Add(ge.Cast(rows, dst_type=torch.int64), low_offset), 0xFFFFFFFF)
         low = ge.BitwiseAnd(x, 0xFFFF)
         high = ge.RightShift(x, 16)
         product = ge.Add(
@@ -70,6 +72,13 @@ def register_torchair_converters(torchair: ModuleType) -> list[str]:
             ge.LeftShift(ge.BitwiseAnd(ge.Mul(high, 2654435769), 0xFFFF), 16),
         )
         return ge.BitwiseAnd(product, 0xFFFFFFFF)
+
+    def _usable(entry, out_dtype):
+        # A slot id the output dtype holds (reference._usable_slot): never a wrapped id.
+        usable = ge.GreaterEqual(entry, 0)
+        if out_dtype == torch.int32:
+            usable = ge.LogicalAnd(usable, ge.LessEqual(entry, torch.iinfo(torch.int32).max))
+        return usable
 
     @register(ops.map_to_physical.default)
     def convert_map(topk_ids, log2phy, replica_count, offset, meta_outputs=None):
@@ -87,8 +96,9 @@ def register_torchair_converters(torchair: ModuleType) -> list[str]:
         row_start = ge.Mul(safe_ids, width)
         physical = ge.GatherV2(table, ge.Add(row_start, replica), 0)
         first = ge.GatherV2(table, row_start, 0)
-        physical = ge.Select(ge.GreaterEqual(physical, 0), physical, first)
-        physical = ge.Select(valid, physical, ge.Fill(ge.Shape(physical), -1))
+        physical = ge.Select(_usable(physical, topk_ids.dtype), physical, first)
+        keep = ge.LogicalAnd(valid, _usable(physical, topk_ids.dtype))
+        physical = ge.Select(keep, physical, ge.Fill(ge.Shape(physical), -1))
         return ge.Cast(physical, dst_type=topk_ids.dtype)
 
     names.append("map_to_physical")

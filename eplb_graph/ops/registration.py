@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from eplb_graph.ops.checks import check_map_args, check_record_args
+from eplb_graph.ops.checks import check_map_and_record_args, check_map_args, check_record_args
 from eplb_graph.ops.reference import map_and_record_ref, map_to_physical_ref, record_load_ref
 
 NAMESPACE = "eplb_graph"
@@ -58,8 +58,9 @@ def _record_load_fake(load, physical_ids, num_valid_tokens, record_enabled):
 def _map_and_record_fake(
     topk_ids, log2phy, replica_count, offset, load, num_valid_tokens, record_enabled
 ):
-    check_map_args(topk_ids, log2phy, replica_count, offset)
-    check_record_args(load, topk_ids, num_valid_tokens, record_enabled)
+    check_map_and_record_args(
+        topk_ids, log2phy, replica_count, offset, load, num_valid_tokens, record_enabled
+    )
     return topk_ids.new_empty(topk_ids.shape)
 
 

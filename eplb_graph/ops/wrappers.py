@@ -24,13 +24,20 @@ def map_to_physical(
 
     Args:
         topk_ids: ``[T, K]`` int32/int64 logical ids; ids outside ``[0, N)`` map to -1.
-        log2phy: ``[N, R]`` int32/int64, row e lists e's slots in ascending order, -1 padded.
+        log2phy: ``[N, R]`` int32/int64 (N, R >= 1), row e lists e's slots in ascending order,
+            -1 padded.
         replica_count: ``[N]`` int32/int64 number of valid entries of each row.
-        offset: 0-d int64; row t hashes ``(t + offset) * 2654435769 mod 2**32`` and takes
-            replica ``h % max(count, 1)``; all K choices of a row share the hash.
+        offset: 0-d int64, any value; row t hashes ``(t + offset) * 2654435769 mod 2**32`` and
+            takes replica ``min(h % max(count, 1), R - 1)``; all K choices of a row share the hash.
 
     Returns:
         ``[T, K]`` physical slot ids with ``topk_ids``' dtype.
+
+    Table values are not checked (that would read device data), so every value has one defined
+    result, the same on every kernel: a chosen entry that is negative, or larger than
+    ``topk_ids``' dtype holds, falls back to the row's replica 0 (a torn refresh), and to -1 if
+    that is no usable slot either; an entry ``>= P`` is returned as is (and never counted).
+    Shapes, dtypes and devices are checked; a bad one raises ``RuntimeError`` naming the argument.
     """
     return _OPS.map_to_physical.default(topk_ids, log2phy, replica_count, offset)
 
@@ -44,9 +51,12 @@ def record_load(
     """Count executed (token, slot) pairs into ``load`` in place.
 
     Args:
-        load: ``[P]`` int32/int64 per-slot counter, mutated.
+        load: ``[P]`` int32/int64 per-slot counter, mutated; P >= 1, one memory cell per slot
+            (no stride-0 view) and no memory shared with another argument, else
+            ``RuntimeError``. Counters wrap at their dtype's limit.
         physical_ids: ``[T, K]`` slots; ids outside ``[0, P)`` are not counted.
-        num_valid_tokens: 0-d integer; rows at or beyond it are padding and not counted.
+        num_valid_tokens: 0-d integer, any value; rows at or beyond it are padding and not
+            counted (a negative value counts nothing, one above T counts every row).
         record_enabled: 0-d bool; when False nothing is counted (the kernel still runs).
     """
     _OPS.record_load.default(load, physical_ids, num_valid_tokens, record_enabled)
@@ -63,7 +73,8 @@ def map_and_record(
 ) -> torch.Tensor:
     """``map_to_physical`` then ``record_load`` of its output, as one op (one pass natively).
 
-    Shapes as in :func:`map_to_physical` and :func:`record_load`; returns ``[T, K]`` slots.
+    Shapes and rules as in :func:`map_to_physical` and :func:`record_load`; every argument is
+    checked before anything is written. Returns ``[T, K]`` slots.
     """
     return _OPS.map_and_record.default(
         topk_ids, log2phy, replica_count, offset, load, num_valid_tokens, record_enabled
