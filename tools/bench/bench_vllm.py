@@ -120,6 +120,7 @@ def engine_kwargs(*, eplb: dict | None, eager: bool) -> dict:
 
 def overhead(root: Path, model: Path, args) -> dict:
     """Decode step time, EPLB on with nothing pending against EPLB off, in turns."""
+
     def never(redundant: int) -> dict:
         return {
             "eplb_config": {
