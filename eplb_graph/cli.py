@@ -1,7 +1,8 @@
 """``eplb-graph`` command line entry point.
 
-Subcommands land with the issues that build them; each takes ``--json PATH`` for a
-machine-readable report and exits 0 on success.
+Each subcommand takes ``--json PATH`` for a machine-readable report. Exit status: 0 success,
+1 findings, invalid content or a failed run, 2 usage, shape or unreadable input (one stderr line,
+decided before any long run starts), 128 + N when signal N (SIGINT 130, SIGTERM 143) stopped it.
 """
 
 from __future__ import annotations
@@ -11,16 +12,30 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
+
+from eplb_graph.cli_support import (
+    OneLineArgumentParser,
+    UsageError,
+    check_destination,
+    int_at_least,
+    refuse,
+    write_text_atomically,
+)
 
 logger = logging.getLogger("eplb_graph.cli")
 
 
-def _write_json(path: str | None, report: dict) -> None:
-    if path:
-        Path(path).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+def _write_json(command: str, path: str | None, text: str) -> int:
+    """Write a report checked by :func:`check_destination`: 0, or 2 when the write failed."""
+    if not path:
+        return 0
+    try:
+        write_text_atomically(path, text)
+    except OSError as error:
+        return refuse(command, f"cannot write --json {path}: {error.strerror or error}")
+    return 0
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -28,6 +43,11 @@ def _info(args: argparse.Namespace) -> int:
     from eplb_graph import ops
     from eplb_graph.testing import available_graph_modes
 
+    try:
+        if args.json is not None:
+            check_destination(args.json)
+    except UsageError as error:
+        return refuse("eplb-graph info", error)
     if args.build_native:
         ops.native.ensure_loaded()
     report = {
@@ -41,18 +61,11 @@ def _info(args: argparse.Namespace) -> int:
     width = max(len(key) for key in report)
     for key, value in report.items():
         sys.stdout.write(f"{key:<{width}}  {value}\n")
-    _write_json(args.json, report)
-    return 0
+    return _write_json("eplb-graph info", args.json, _json_text(report))
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _json_text(report: dict) -> str:
+    return json.dumps(report, indent=2, sort_keys=True) + "\n"
 
 
 def _map_validate(args: argparse.Namespace) -> int:
@@ -63,6 +76,11 @@ def _map_validate(args: argparse.Namespace) -> int:
     from eplb_graph.expert_map import ExpertMapError
     from eplb_graph.placement import Placement
 
+    try:
+        if args.json is not None:
+            check_destination(args.json)
+    except UsageError as error:
+        return refuse("eplb-graph map validate", error)
     report: dict = {"file": args.file, "valid": False, "error": None, "summary": None}
     try:
         placement = Placement.load_expert_map(args.file, num_logical=args.num_logical)
@@ -83,12 +101,7 @@ def _map_validate(args: argparse.Namespace) -> int:
             shown = json.dumps(value) if isinstance(value, dict) else value
             sys.stdout.write(f"  {key:<{width}}  {shown}\n")
         status = 0
-    try:
-        _write_json(args.json, report)
-    except OSError as error:
-        sys.stderr.write(f"eplb-graph map validate: cannot write --json {args.json}: {error}\n")
-        return 2
-    return status
+    return _write_json("eplb-graph map validate", args.json, _json_text(report)) or status
 
 
 def _audit(args: argparse.Namespace) -> int:
@@ -99,6 +112,11 @@ def _audit(args: argparse.Namespace) -> int:
     """
     from eplb_graph.audit import TargetError, TargetRaised, load_target, run_audit
 
+    try:
+        if args.json is not None:
+            check_destination(args.json)
+    except UsageError as error:
+        return refuse("eplb-graph audit", error)
     try:
         target = load_target(args.target)
         report = run_audit(target.fn, target.example_args, target.eplb_state, target=target.spec)
@@ -113,17 +131,13 @@ def _audit(args: argparse.Namespace) -> int:
         )
         return 2
     sys.stdout.write(report.render_text())
-    if args.json:
-        try:
-            Path(args.json).write_text(report.to_json())
-        except OSError as error:
-            sys.stderr.write(f"eplb-graph audit: cannot write --json {args.json}: {error}\n")
-            return 2
+    if args.json and _write_json("eplb-graph audit", args.json, report.to_json()):
+        return 2
     return 0 if report.clean else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineArgumentParser(
         prog="eplb-graph",
         description="Graph-capture-first Expert Parallelism Load Balancer for MoE inference.",
     )
@@ -147,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("file", metavar="FILE", help="expert-map JSON file")
     validate.add_argument(
         "--num-logical",
-        type=_positive_int,
+        type=int_at_least(1),
         metavar="N",
         help="the model's logical expert count (default: max id + 1, which cannot detect "
         "experts missing from every layer)",

@@ -173,3 +173,89 @@ def test_simulate_cli_rejects_unknown_policy(capsys):
     args = parser.parse_args(["simulate", "--steps", "10", "--policy", "nope", "--no-progress"])
     assert args.handler(args) == 2
     assert "unknown EPLB policy 'nope'" in capsys.readouterr().err
+
+
+def _write_npz_members(path, members: dict[str, bytes]) -> None:
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, data in members.items():
+            archive.writestr(f"{name}.npy", data)
+
+
+def _npy_bytes(array: np.ndarray) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()
+
+
+def _valid_members() -> dict[str, bytes]:
+    arrays = _arrays()
+    return {
+        "popularity": _npy_bytes(arrays["popularity"]),
+        "segment": _npy_bytes(arrays["segment"]),
+        "tokens": _npy_bytes(arrays["tokens"]),
+        "is_prefill": _npy_bytes(arrays["is_prefill"]),
+        "top_k": _npy_bytes(np.array(arrays["top_k"])),
+        "format_version": _npy_bytes(np.array(1)),
+    }
+
+
+def test_trace_loader_refuses_a_huge_declared_shape_before_allocating(tmp_path):
+    import io
+
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        header, {"descr": "<f4", "fortran_order": False, "shape": (10**6, 10**6, 256)}
+    )
+    members = _valid_members()
+    members["popularity"] = header.getvalue()  # the header alone: no data follows
+    path = tmp_path / "huge.npz"
+    _write_npz_members(path, members)
+    with pytest.raises(TraceError, match="popularity has 256000000000000 elements"):
+        load_trace(path)
+
+
+@pytest.mark.parametrize(
+    ("name", "array", "message"),
+    [
+        ("popularity", np.ones((2, 3)), "popularity must be a float"),
+        ("segment", np.zeros(4, dtype=np.float64), "segment must be an integer"),
+        ("tokens", np.array([1, 2, 2**40, 4]), r"tokens values must be in \[0, 2147483647\]"),
+        ("top_k", np.array([2]), "top_k must be a 0-d integer"),
+        ("format_version", np.array(7), "format_version 7"),
+    ],
+)
+def test_trace_loader_names_the_bad_array(tmp_path, name, array, message):
+    members = _valid_members()
+    members[name] = _npy_bytes(array)
+    path = tmp_path / "bad.npz"
+    _write_npz_members(path, members)
+    with pytest.raises(TraceError, match=message):
+        load_trace(path)
+
+
+def test_trace_loader_refuses_non_regular_and_damaged_files(tmp_path):
+    import os
+
+    fifo = tmp_path / "fifo.npz"
+    os.mkfifo(fifo)  # would block a plain open() forever
+    with pytest.raises(TraceError, match="not a regular file"):
+        load_trace(fifo)
+    with pytest.raises(TraceError, match="not a regular file"):
+        load_trace(tmp_path)
+    empty = tmp_path / "empty.npz"
+    empty.write_bytes(b"")
+    with pytest.raises(TraceError, match=r"not a readable \.npz trace"):
+        load_trace(empty)
+    good = tmp_path / "good.npz"
+    _write_npz_members(good, _valid_members())
+    assert load_trace(good).top_k == _arrays()["top_k"]
+    damaged = bytearray(good.read_bytes())
+    damaged[60:80] = bytes(20)  # inside the first member's data
+    corrupt = tmp_path / "corrupt.npz"
+    corrupt.write_bytes(bytes(damaged))
+    with pytest.raises(TraceError, match=r"corrupt\.npz"):
+        load_trace(corrupt)

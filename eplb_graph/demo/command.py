@@ -4,10 +4,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
+import signal
 import sys
-from pathlib import Path
 
-from eplb_graph.demo.runner import DemoOptions, run_rank
+from eplb_graph.cli_support import (
+    check_destination,
+    check_plotting,
+    refuse,
+    write_file_atomically,
+    write_text_atomically,
+)
+from eplb_graph.demo.runner import COMPILE_BACKENDS, DemoOptions, run_rank
+from eplb_graph.errors import EplbError
+from eplb_graph.models.ep_moe import FORMATS
+
+COMMAND = "eplb-graph demo"
+logger = logging.getLogger(__name__)
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
@@ -32,14 +46,17 @@ def add_parser(commands) -> argparse.ArgumentParser:
     parser.add_argument("--intermediate", type=int, default=defaults.intermediate)
     parser.add_argument("--top-k", type=int, default=defaults.top_k)
     parser.add_argument(
-        "--format", dest="weight_format", choices=["unquantized", "w8a8"], default="unquantized"
+        "--format", dest="weight_format", choices=FORMATS, default=defaults.weight_format
     )
     parser.add_argument("--policy", default=defaults.policy)
     parser.add_argument("--window-size", type=int, default=defaults.window_size)
     parser.add_argument("--step-interval", type=int, default=defaults.step_interval)
     parser.add_argument("--layers-per-step", type=int, default=defaults.layers_per_step)
     parser.add_argument(
-        "--backend", default=defaults.backend, help="torch.compile backend (inductor, aot_eager)"
+        "--backend",
+        choices=COMPILE_BACKENDS,
+        default=defaults.backend,
+        help="torch.compile backend",
     )
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--json", metavar="PATH", help="write the report as JSON")
@@ -53,11 +70,9 @@ def add_parser(commands) -> argparse.ArgumentParser:
 
 
 def options_from_args(args: argparse.Namespace, ranks: int | None = None) -> DemoOptions:
-    from eplb_graph.policy import get_policy
-
-    get_policy(args.policy)  # unknown names: a usage error before any process starts
+    """The run's options; :class:`DemoOptionError` names the first flag the ranks could not use."""
     return DemoOptions(
-        ranks=ranks or args.ranks,
+        ranks=args.ranks if ranks is None else ranks,
         steps=args.steps,
         layers=args.layers,
         experts=args.experts,
@@ -76,39 +91,74 @@ def options_from_args(args: argparse.Namespace, ranks: int | None = None) -> Dem
     )
 
 
+def check_outputs(args: argparse.Namespace) -> None:
+    """Refuse report destinations the run could not write, before the run (UsageError)."""
+    if args.json is not None:
+        check_destination(args.json, "--json")
+    if not args.no_plot:
+        check_plotting("--plot")
+        check_destination(args.plot, "--plot")
+
+
 def run(args: argparse.Namespace) -> int:
-    from eplb_graph.launch import launched_by_torchrun, run_under_torchrun, spawn_ranks
+    """Validate everything, then run the ranks; see the module docstring of ``eplb_graph.cli``
+    for the exit statuses."""
+    from eplb_graph.launch import launched_by_torchrun
+
+    torchrun = launched_by_torchrun()
+    try:
+        options = options_from_args(args, ranks=int(os.environ["WORLD_SIZE"]) if torchrun else None)
+        if not torchrun or os.environ["RANK"] == "0":  # only rank 0 writes the report
+            check_outputs(args)
+    except EplbError as error:
+        return refuse(COMMAND, error)
+    report = _run_torchrun(options) if torchrun else _run_spawned(options)
+    if isinstance(report, int):
+        return report
+    return emit(report, args)
+
+
+def _run_torchrun(options: DemoOptions) -> dict | int:
+    from eplb_graph.launch import run_under_torchrun
+
+    # The demo model runs on the CPU: its serving collectives use gloo even where a GPU is
+    # visible (EPLB's own groups are gloo in every case). torchrun owns these processes' signals.
+    report = run_under_torchrun(run_rank, options, backend="gloo")
+    return 0 if report is None else report  # not rank 0: rank 0 reports
+
+
+def _run_spawned(options: DemoOptions) -> dict | int:
+    """Rank 0's report, or the exit status of a run that could not finish (one stderr line)."""
+    from eplb_graph.launch import RankFailed, RanksInterrupted, spawn_ranks
 
     try:
-        if launched_by_torchrun():
-            import os
-
-            options = options_from_args(args, ranks=int(os.environ["WORLD_SIZE"]))
-        else:
-            options = options_from_args(args)
-    except (ValueError, KeyError) as error:
-        sys.stderr.write(f"eplb-graph demo: {error}\n")
-        return 2
-    if launched_by_torchrun():
-        # The demo model runs on the CPU: its serving collectives use gloo even where a GPU is
-        # visible (EPLB's own groups are gloo in every case).
-        report = run_under_torchrun(run_rank, options, backend="gloo")
-        if report is None:  # not rank 0: rank 0 reports
-            return 0
-    else:
-        report = spawn_ranks(run_rank, options.ranks, options)[0]
-    return emit(report, args)
+        return spawn_ranks(run_rank, options.ranks, options)[0]
+    except KeyboardInterrupt:
+        sys.stderr.write(f"{COMMAND}: interrupted by SIGINT; every rank was stopped\n")
+        return 128 + signal.SIGINT
+    except RanksInterrupted as stop:
+        sys.stderr.write(f"{COMMAND}: {stop}\n")
+        return stop.exit_status
+    except RankFailed as failure:
+        if failure.details:
+            logger.info("%s", failure.details)
+        hint = "; rerun with -v for its traceback" if failure.details else ""
+        sys.stderr.write(f"{COMMAND}: {failure.summary}; the other ranks were stopped{hint}\n")
+        return 1
 
 
 def emit(report: dict, args: argparse.Namespace) -> int:
     from eplb_graph.demo.report import plot, summary_table
 
     sys.stdout.write(summary_table(report) + "\n")
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    if not args.no_plot:
-        plot(report, args.plot)
-        sys.stdout.write(f"plot: {args.plot}\n")
+    try:
+        if args.json:
+            write_text_atomically(args.json, json.dumps(report, indent=2) + "\n")
+        if not args.no_plot:
+            write_file_atomically(args.plot, lambda path: plot(report, path))
+            sys.stdout.write(f"plot: {args.plot}\n")
+    except OSError as error:  # checked before the run; the disk can still fill up or vanish
+        return refuse(COMMAND, f"cannot write the report: {error}")
     broken = violated_guarantees(report)
     for problem in broken:
         sys.stderr.write(f"eplb-graph demo: FAILED: {problem}\n")

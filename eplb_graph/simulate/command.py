@@ -5,12 +5,28 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
+import torch
+
+from eplb_graph.cli_support import (
+    UsageError,
+    check_destination,
+    check_plotting,
+    float_between,
+    int_at_least,
+    refuse,
+    write_file_atomically,
+    write_text_atomically,
+)
 from eplb_graph.control import ControlSettings
-from eplb_graph.policy import get_policy
+from eplb_graph.errors import EplbError
+from eplb_graph.placement import Placement
+from eplb_graph.policy import get_policy, rebalance
 from eplb_graph.simulate.simulator import ClusterShape, SimulationReport, plot_reports, simulate
-from eplb_graph.simulate.trace import TraceError, TraceSpec, generate_trace, load_trace
+from eplb_graph.simulate.trace import LoadTrace, TraceSpec, generate_trace, load_trace
+from eplb_graph.tables import check_slots_per_rank
+
+COMMAND = "eplb-graph simulate"
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
@@ -23,33 +39,39 @@ def add_parser(commands) -> argparse.ArgumentParser:
             "EPLB off, rebalances, slots and bytes moved, and policy time."
         ),
     )
+    positive, non_negative = int_at_least(1), int_at_least(0)
     source = parser.add_argument_group("trace")
     source.add_argument("--trace", metavar="NPZ", help="trace file (tools/gen_trace.py makes one)")
-    source.add_argument("--layers", type=int, default=58)
-    source.add_argument("--experts", type=int, default=256)
-    source.add_argument("--top-k", type=int, default=8)
-    source.add_argument("--steps", type=int, default=20_000)
+    source.add_argument("--layers", type=positive, default=58)
+    source.add_argument("--experts", type=positive, default=256)
+    source.add_argument("--top-k", type=positive, default=8)
+    source.add_argument("--steps", type=positive, default=20_000)
     source.add_argument("--shape", choices=["zipf", "lognormal"], default="zipf")
-    source.add_argument("--skew", type=float, default=1.0, help="zipf exponent / lognormal sigma")
-    source.add_argument("--drift-sigma", type=float, default=0.2)
-    source.add_argument("--segment-steps", type=int, default=500)
-    source.add_argument("--prefill-fraction", type=float, default=0.1)
-    source.add_argument("--seed", type=int, default=0)
+    source.add_argument(
+        "--skew", type=float_between(0.0), default=1.0, help="zipf exponent / lognormal sigma"
+    )
+    source.add_argument("--drift-sigma", type=float_between(0.0), default=0.2)
+    source.add_argument("--segment-steps", type=positive, default=500)
+    source.add_argument("--prefill-fraction", type=float_between(0.0, 1.0), default=0.1)
+    source.add_argument("--seed", type=non_negative, default=0)
     control = parser.add_argument_group("EPLB")
     control.add_argument(
         "--policy", action="append", help="policy to simulate (repeatable; default: default)"
     )
-    control.add_argument("--window-size", type=int, default=1000)
-    control.add_argument("--step-interval", type=int, default=3000)
-    control.add_argument("--num-redundant", type=int, default=32)
-    control.add_argument("--ranks", type=int, default=32)
-    control.add_argument("--nodes", type=int, default=1)
-    control.add_argument("--groups", type=int, default=1)
+    control.add_argument("--window-size", type=positive, default=1000)
+    control.add_argument("--step-interval", type=positive, default=3000)
+    control.add_argument("--num-redundant", type=non_negative, default=32)
+    control.add_argument("--ranks", type=positive, default=32)
+    control.add_argument("--nodes", type=positive, default=1)
+    control.add_argument("--groups", type=positive, default=1)
     control.add_argument(
         "--load-collection-phase", choices=["all", "prefill", "decode"], default="all"
     )
     control.add_argument(
-        "--expert-bytes", type=int, default=44_040_192, help="bytes of one expert's weights"
+        "--expert-bytes",
+        type=non_negative,
+        default=44_040_192,
+        help="bytes of one expert's weights",
     )
     output = parser.add_argument_group("output")
     output.add_argument("--json", metavar="PATH", help="write the report as JSON")
@@ -77,47 +99,99 @@ def _table(reports: list[SimulationReport]) -> str:
     return "\n".join(lines)
 
 
+def _load_or_generate(args: argparse.Namespace) -> LoadTrace:
+    if args.trace:
+        return load_trace(args.trace)
+    if args.top_k > args.experts:
+        raise UsageError(f"--top-k must be <= --experts ({args.experts}), got {args.top_k}")
+    return generate_trace(
+        TraceSpec(
+            num_layers=args.layers,
+            num_experts=args.experts,
+            top_k=args.top_k,
+            num_steps=args.steps,
+            shape=args.shape,
+            skew=args.skew,
+            drift_sigma=args.drift_sigma,
+            segment_steps=args.segment_steps,
+            prefill_fraction=args.prefill_fraction,
+            seed=args.seed,
+        )
+    )
+
+
+def check_cluster(trace: LoadTrace, cluster: ClusterShape, policies: list[str]) -> None:
+    """Refuse a cluster shape the replay would fail on at its first rebalance (UsageError).
+
+    The slots must split evenly over the ranks (the placement's own rule), and each policy must
+    accept the shape: each plans one layer of skewed load from the initial placement here, so
+    its own rules (the ``default`` policy's groups and nodes, for one) apply before the run.
+    """
+    num_slots = trace.num_experts + cluster.num_redundant
+    check_slots_per_rank(
+        num_slots,
+        cluster.num_ranks,
+        name=f"--ranks {cluster.num_ranks}: experts ({trace.num_experts}) + --num-redundant "
+        f"({cluster.num_redundant})",
+        error=UsageError,
+    )
+    placement = Placement.default(1, trace.num_experts, cluster.num_redundant, cluster.num_ranks)
+    skewed = torch.arange(trace.num_experts, 0, -1, dtype=torch.float64).unsqueeze(0)
+    for policy in policies:
+        try:
+            rebalance(
+                policy,
+                skewed,
+                num_slots,
+                cluster.num_groups,
+                cluster.num_nodes,
+                cluster.num_ranks,
+                old_phy2log=placement.phy2log,
+            )
+        except ValueError as error:  # the policies' shape checks
+            raise UsageError(
+                f"--policy {policy} cannot plan {trace.num_experts} experts on {num_slots} slots "
+                f"over --ranks {cluster.num_ranks}, --nodes {cluster.num_nodes}, --groups "
+                f"{cluster.num_groups}: {error}"
+            ) from error
+
+
+def _prepare(args: argparse.Namespace):
+    """Everything the replay needs, checked: ``(trace, cluster, settings per policy)``."""
+    if args.json is not None:
+        check_destination(args.json, "--json")
+    if args.plot is not None:
+        check_plotting("--plot")
+        check_destination(args.plot, "--plot")
+    policies = args.policy or ["default"]
+    for policy in policies:
+        get_policy(policy)  # unknown names are a usage error, before any simulation
+    trace = _load_or_generate(args)
+    cluster = ClusterShape(
+        num_redundant=args.num_redundant,
+        num_ranks=args.ranks,
+        num_nodes=args.nodes,
+        num_groups=args.groups,
+        expert_bytes=args.expert_bytes,
+    )
+    check_cluster(trace, cluster, policies)
+    settings = [
+        ControlSettings(
+            window_size=args.window_size,
+            step_interval=args.step_interval,
+            load_collection_phase=args.load_collection_phase,
+            policy=policy,
+        )
+        for policy in policies
+    ]
+    return trace, cluster, settings
+
+
 def run(args: argparse.Namespace) -> int:
     try:
-        if args.trace:
-            trace = load_trace(args.trace)
-        else:
-            trace = generate_trace(
-                TraceSpec(
-                    num_layers=args.layers,
-                    num_experts=args.experts,
-                    top_k=args.top_k,
-                    num_steps=args.steps,
-                    shape=args.shape,
-                    skew=args.skew,
-                    drift_sigma=args.drift_sigma,
-                    segment_steps=args.segment_steps,
-                    prefill_fraction=args.prefill_fraction,
-                    seed=args.seed,
-                )
-            )
-        cluster = ClusterShape(
-            num_redundant=args.num_redundant,
-            num_ranks=args.ranks,
-            num_nodes=args.nodes,
-            num_groups=args.groups,
-            expert_bytes=args.expert_bytes,
-        )
-        policies = args.policy or ["default"]
-        for policy in policies:
-            get_policy(policy)  # unknown names are a usage error, before any simulation
-        settings = [
-            ControlSettings(
-                window_size=args.window_size,
-                step_interval=args.step_interval,
-                load_collection_phase=args.load_collection_phase,
-                policy=policy,
-            )
-            for policy in policies
-        ]
-    except (TraceError, ValueError, KeyError) as error:
-        sys.stderr.write(f"eplb-graph simulate: {error}\n")
-        return 2
+        trace, cluster, settings = _prepare(args)
+    except EplbError as error:
+        return refuse(COMMAND, error)
     show_progress = not args.no_progress and sys.stderr.isatty()
     reports = [simulate(trace, s, cluster, progress=show_progress) for s in settings]
     sys.stdout.write(
@@ -126,17 +200,20 @@ def run(args: argparse.Namespace) -> int:
         f"{trace.num_experts + cluster.num_redundant} slots\n"
     )
     sys.stdout.write(_table(reports) + "\n")
-    if args.json:
-        payload = {
-            "trace": {
-                "steps": trace.num_steps,
-                "layers": trace.num_layers,
-                "experts": trace.num_experts,
-                "top_k": trace.top_k,
-            },
-            "reports": [report.as_dict() for report in reports],
-        }
-        Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
-    if args.plot:
-        plot_reports(reports, args.plot)
+    payload = {
+        "trace": {
+            "steps": trace.num_steps,
+            "layers": trace.num_layers,
+            "experts": trace.num_experts,
+            "top_k": trace.top_k,
+        },
+        "reports": [report.as_dict() for report in reports],
+    }
+    try:
+        if args.json:
+            write_text_atomically(args.json, json.dumps(payload, indent=2) + "\n")
+        if args.plot:
+            write_file_atomically(args.plot, lambda path: plot_reports(reports, path))
+    except OSError as error:  # checked before the run; the disk can still fill up or vanish
+        return refuse(COMMAND, f"cannot write the report: {error}")
     return 0

@@ -18,8 +18,13 @@ DeepSeek-V3-sized trace at a few MB instead of gigabytes, and drift is still ste
 from __future__ import annotations
 
 import math
+import os
+import stat
+import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -79,8 +84,11 @@ def validate_trace(trace: LoadTrace) -> None:
         raise TraceError(f"segment ids must be in [0, {popularity.shape[0]})")
     if trace.tokens.min() < 0:
         raise TraceError("tokens must be >= 0")
-    if trace.top_k < 1:
-        raise TraceError(f"top_k must be >= 1, got {trace.top_k}")
+    if not 1 <= trace.top_k <= popularity.shape[2]:
+        raise TraceError(
+            f"top_k must be >= 1 and <= the number of experts ({popularity.shape[2]}), "
+            f"got {trace.top_k}"
+        )
 
 
 def save_trace(trace: LoadTrace, path: str | Path) -> None:
@@ -95,25 +103,99 @@ def save_trace(trace: LoadTrace, path: str | Path) -> None:
     )
 
 
+# What each array of a version-1 file may hold: dtype kinds ("f" float, "i"/"u" integer,
+# "b" bool) and number of dimensions. Anything else is refused before its data is read.
+_ARRAY_KINDS = {
+    "popularity": ("fiu", 3, "a float [G, L, N] array"),
+    "segment": ("iu", 1, "an integer [T] array"),
+    "tokens": ("iu", 1, "an integer [T] array"),
+    "is_prefill": ("biu", 1, "a bool [T] array"),
+    "top_k": ("iu", 0, "a 0-d integer"),
+    "format_version": ("iu", 0, "a 0-d integer"),
+}
+# A DeepSeek-V3-sized trace of a million steps is a few million elements per array; the cap
+# bounds what a file can make the reader allocate (a header may declare any shape).
+MAX_TRACE_ELEMENTS = 2**28
+_INT32_MAX = 2**31 - 1
+# Ways a damaged archive or array fails while it is read (truncated, corrupt, not a zip).
+_READ_ERRORS = (OSError, EOFError, ValueError, zipfile.BadZipFile, zlib.error)
+
+
 def load_trace(path: str | Path) -> LoadTrace:
-    try:
-        data = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as error:
-        raise TraceError(f"{path}: not a readable .npz trace: {error}") from error
-    required = ("popularity", "segment", "tokens", "is_prefill", "top_k", "format_version")
-    missing = [key for key in required if key not in data.files]
-    if missing:
-        raise TraceError(f"{path}: missing arrays {missing}")
-    version = int(data["format_version"])
+    """Read a ``.npz`` trace written by :func:`save_trace` (format version 1).
+
+    Raises:
+        TraceError: the path is not a readable regular file (a FIFO or a device would block or
+            never end), the file is not a zip archive (empty, truncated, corrupt), an array is
+            missing, has the wrong dtype or rank, is larger than :data:`MAX_TRACE_ELEMENTS`, or
+            its values fail :func:`validate_trace`. The message names the file and the array.
+    """
+    with _open_regular_file(path) as handle:
+        try:
+            archive = zipfile.ZipFile(handle)
+        except _READ_ERRORS as error:
+            raise TraceError(
+                f"{path}: not a readable .npz trace (not a zip archive: {error})"
+            ) from error
+        with archive:
+            missing = [name for name in _ARRAY_KINDS if f"{name}.npy" not in archive.namelist()]
+            if missing:
+                raise TraceError(f"{path}: missing arrays {missing}")
+            arrays = {name: _read_array(archive, name, path) for name in _ARRAY_KINDS}
+    version = int(arrays["format_version"])
     if version != FORMAT_VERSION:
         raise TraceError(f"{path}: format_version {version}, this reader handles {FORMAT_VERSION}")
+    for name in ("segment", "tokens"):  # checked before the int32 cast could wrap them
+        values = arrays[name]
+        if values.size and (values.min() < 0 or values.max() > _INT32_MAX):
+            raise TraceError(f"{path}: {name} values must be in [0, {_INT32_MAX}]")
     return LoadTrace(
-        popularity=data["popularity"].astype(np.float32),
-        segment=data["segment"].astype(np.int32),
-        tokens=data["tokens"].astype(np.int32),
-        is_prefill=data["is_prefill"].astype(bool),
-        top_k=int(data["top_k"]),
+        popularity=arrays["popularity"].astype(np.float32),
+        segment=arrays["segment"].astype(np.int32),
+        tokens=arrays["tokens"].astype(np.int32),
+        is_prefill=arrays["is_prefill"].astype(bool),
+        top_k=int(arrays["top_k"]),
     )
+
+
+def _open_regular_file(path: str | Path) -> BinaryIO:
+    """Open ``path`` for reading without blocking, and only if it is a regular file."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as error:
+        raise TraceError(f"{path}: cannot read the trace: {error.strerror or error}") from error
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        os.close(descriptor)
+        raise TraceError(f"{path}: not a regular file; pass a .npz trace file")
+    return os.fdopen(descriptor, "rb")
+
+
+def _read_array(archive: zipfile.ZipFile, name: str, path: str | Path) -> np.ndarray:
+    """One member's array: its header checked (dtype, rank, size) before its data is read."""
+    kinds, ndim, expected = _ARRAY_KINDS[name]
+    member = f"{name}.npy"
+    try:
+        with archive.open(member) as stream:
+            version = np.lib.format.read_magic(stream)
+            if version == (1, 0):
+                shape, _, dtype = np.lib.format.read_array_header_1_0(stream)
+            elif version == (2, 0):
+                shape, _, dtype = np.lib.format.read_array_header_2_0(stream)
+            else:
+                raise TraceError(f"{path}: {name}: unsupported .npy version {version}")
+        if dtype.kind not in kinds or len(shape) != ndim:
+            raise TraceError(f"{path}: {name} must be {expected}, got {dtype} with shape {shape}")
+        if math.prod(shape) > MAX_TRACE_ELEMENTS:
+            raise TraceError(
+                f"{path}: {name} has {math.prod(shape)} elements, more than the "
+                f"{MAX_TRACE_ELEMENTS} this reader accepts"
+            )
+        with archive.open(member) as stream:
+            return np.lib.format.read_array(stream, allow_pickle=False)
+    except TraceError:
+        raise
+    except _READ_ERRORS as error:
+        raise TraceError(f"{path}: {name}: damaged array ({error})") from error
 
 
 @dataclass(frozen=True)
