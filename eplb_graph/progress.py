@@ -12,6 +12,7 @@ import time
 from typing import TextIO
 
 _LINE_FRACTION = 0.1  # off a terminal: one line per tenth of the run
+NO_PROGRESS_HELP = "no progress display (a bar on a terminal, else a line per tenth of the run)"
 
 
 def announce(message: str, *, enabled: bool = True, stream: TextIO | None = None) -> None:

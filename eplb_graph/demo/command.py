@@ -19,6 +19,7 @@ from eplb_graph.cli_support import (
 from eplb_graph.demo.runner import COMPILE_BACKENDS, DemoOptions, run_rank
 from eplb_graph.errors import EplbError
 from eplb_graph.models.ep_moe import FORMATS
+from eplb_graph.progress import NO_PROGRESS_HELP
 
 COMMAND = "eplb-graph demo"
 logger = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
         "--plot", metavar="PNG", default="eplb-demo.png", help="plot path (default %(default)s)"
     )
     parser.add_argument("--no-plot", action="store_true", help="do not write the plot")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
     parser.set_defaults(handler=run)
     return parser
 
@@ -87,7 +88,7 @@ def options_from_args(args: argparse.Namespace, ranks: int | None = None) -> Dem
         layers_per_step=args.layers_per_step,
         backend=args.backend,
         seed=args.seed,
-        progress=not args.no_progress and sys.stderr.isatty(),
+        progress=not args.no_progress,
     )
 
 

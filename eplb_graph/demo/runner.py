@@ -31,7 +31,7 @@ from eplb_graph.movement.transport import GroupRing
 from eplb_graph.placement import Placement
 from eplb_graph.policy.metrics import balancedness
 from eplb_graph.policy.registry import UnknownPolicyError, get_policy
-from eplb_graph.progress import ProgressBar
+from eplb_graph.progress import ProgressBar, announce
 from eplb_graph.runtime import EplbRuntime
 from eplb_graph.state import EplbState
 
@@ -154,6 +154,7 @@ class StepSeries:
     eplb: list[float] = field(default_factory=list)
     baseline: list[float] = field(default_factory=list)
     rank_load: list[list[float]] = field(default_factory=list)  # EPLB run, per rank
+    rank_load_baseline: list[list[float]] = field(default_factory=list)  # EPLB off, per rank
 
 
 def rank_loads(executed: list[torch.Tensor], counts: list[int], per_rank: int, world: int):
@@ -217,6 +218,11 @@ def run_rank(rank: int, world_size: int, options: DemoOptions) -> dict | None:
     )
 
     # Warm-up: compile every captured batch size once, recording off, in both models.
+    announce(
+        f"eplb-graph demo: warming up, compiling {len(options.buckets)} batch sizes in the "
+        "EPLB-on and EPLB-off models (the slow part on a small machine)",
+        enabled=options.progress and rank == 0,
+    )
     for bucket in options.buckets:
         for twin in (model, baseline):
             twin.state.set_step_inputs_(0, False)
@@ -264,7 +270,8 @@ def run_rank(rank: int, world_size: int, options: DemoOptions) -> dict | None:
                 series.eplb.append(value)
                 series.baseline.append(value_off)
                 series.rank_load.append(loads.sum(dim=0).tolist())
-            bar.update(1, suffix=f"balancedness {value:.2f} (off {value_off:.2f})")
+                series.rank_load_baseline.append(loads_off.sum(dim=0).tolist())
+            bar.update(1, suffix=f"this step's balancedness: on {value:.2f}, off {value_off:.2f}")
 
     # Idle the worker, then check movement was exact: every local slot holds, bit for bit, the
     # checkpoint tensors (weights AND scales) of the expert the committed placement names.

@@ -22,6 +22,7 @@ from eplb_graph.control import ControlSettings
 from eplb_graph.errors import EplbError
 from eplb_graph.placement import Placement
 from eplb_graph.policy import get_policy, rebalance
+from eplb_graph.progress import NO_PROGRESS_HELP
 from eplb_graph.simulate.simulator import ClusterShape, SimulationReport, plot_reports, simulate
 from eplb_graph.simulate.trace import LoadTrace, TraceSpec, generate_trace, load_trace
 from eplb_graph.tables import check_slots_per_rank
@@ -76,7 +77,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
     output = parser.add_argument_group("output")
     output.add_argument("--json", metavar="PATH", help="write the report as JSON")
     output.add_argument("--plot", metavar="PNG", help="write balancedness over time as a PNG")
-    output.add_argument("--no-progress", action="store_true", help="no progress bar")
+    output.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
     parser.set_defaults(handler=run)
     return parser
 
@@ -192,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
         trace, cluster, settings = _prepare(args)
     except EplbError as error:
         return refuse(COMMAND, error)
-    show_progress = not args.no_progress and sys.stderr.isatty()
+    show_progress = not args.no_progress
     reports = [simulate(trace, s, cluster, progress=show_progress) for s in settings]
     sys.stdout.write(
         f"trace: {trace.num_steps} steps, {trace.num_layers} layers x {trace.num_experts} "
