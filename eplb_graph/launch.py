@@ -15,6 +15,7 @@ killed outright (Linux), when no cleanup can run.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import pickle
 import signal
@@ -32,6 +33,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from eplb_graph.errors import EplbError
+
+logger = logging.getLogger(__name__)
 
 STOP_GRACE_S = 3.0  # SIGTERM, then this long, then SIGKILL: a stop never waits on a rank
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -109,10 +112,10 @@ class RankDied(RankFailed):
 
 
 class RanksInterrupted(EplbError, RuntimeError):
-    """SIGTERM or SIGHUP reached the launcher: every rank was stopped, the scratch removed.
+    """SIGTERM or SIGHUP reached the launcher, every rank was stopped and the scratch removed,
+    and the signal, delivered again, did not end the process (it is blocked in this thread).
 
-    (SIGINT raises ``KeyboardInterrupt`` after the same cleanup, as Python does.) ``signum`` is
-    the signal; ``exit_status`` is the shell convention for it, ``128 + signum``.
+    ``signum`` is the signal; ``exit_status`` is the shell convention for it, ``128 + signum``.
     """
 
     def __init__(self, signum: int) -> None:
@@ -132,8 +135,29 @@ def _signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
+class _Stopped(BaseException):
+    """Unwinds the launcher on SIGTERM/SIGHUP; a ``BaseException`` so that no ``except
+    Exception`` between the handler and :func:`spawn_ranks` can swallow the signal."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
 def _interruption(signum: int) -> BaseException:
-    return KeyboardInterrupt() if signum == signal.SIGINT else RanksInterrupted(signum)
+    return KeyboardInterrupt() if signum == signal.SIGINT else _Stopped(signum)
+
+
+def _die_by(signum: int) -> None:
+    """End this process by ``signum`` as its default action would have, now that the ranks and
+    the scratch are gone: its parent sees "killed by SIGTERM", not a Python error a host could
+    catch and carry on from."""
+    logger.warning("stopped by %s; every rank was stopped", _signal_name(signum))
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    signal.signal(signum, signal.SIG_DFL)
+    signal.raise_signal(signum)
+    raise RanksInterrupted(signum)  # only when the signal is blocked in this thread
 
 
 class _StopOnSignals:
@@ -304,13 +328,22 @@ def spawn_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 600.0) 
     Raises:
         RankFailed: a rank raised (:class:`RankDied`: a rank's process died); the other ranks
             were stopped.
-        RanksInterrupted: SIGTERM or SIGHUP reached this process (SIGINT: ``KeyboardInterrupt``);
-            every rank was stopped.
+        KeyboardInterrupt: SIGINT reached this process; every rank was stopped first.
+        RanksInterrupted: only where SIGTERM or SIGHUP is blocked; otherwise, once every rank
+            is stopped and the scratch removed, the signal ends this process as it would have.
         RanksTimedOut: the ranks ran past ``timeout_s + 60`` s.
     In every case no rank outlives the call and the scratch directory is removed.
     """
     context = mp.get_context("spawn")
     _start_resource_tracker()
+    try:
+        return _run_ranks(context, fn, world_size, args, timeout_s)
+    except _Stopped as stopped:
+        _die_by(stopped.signum)
+        raise  # unreachable: _die_by never returns
+
+
+def _run_ranks(context, fn: Callable, world_size: int, args: tuple, timeout_s: float) -> list:
     with _StopOnSignals() as signals, tempfile.TemporaryDirectory(prefix="eplb-graph-") as scratch:
         init_file = os.path.join(scratch, "rendezvous")
         processes: list = []
