@@ -9,17 +9,21 @@ its first line:
 - anything else: run as written with a fresh interpreter in a temporary directory, and it must
   exit 0.
 
-Shell blocks (``bash``) are not run: they install packages or start servers and long jobs
-(the vLLM commands have their own tests in tests/test_vllm_engine.py and
-tests/test_config_cli_args.py). The two-rank integration example runs in both modes, async (its
-default) and ``--sync``. Every run is a separate interpreter, started all at once when the
-module's first test asks: each run is mostly interpreter start-up and the torch import.
+Shell blocks (``bash``) are not run here: the README's install and suite commands install
+packages, and the others start servers or long jobs (the user guide's V2 command line is parsed
+by tests/test_config_cli_args.py, docs/vllm.md's server command runs in
+tests/test_vllm_engine.py). The two-rank integration example runs below in both modes, async
+(its default) and ``--sync``, spawned as the user guide shows. Every run is a separate
+interpreter, all started at once when the module's first test asks: each run is mostly
+interpreter start-up and the torch import, so they overlap well.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -106,6 +110,7 @@ def runs(request, tmp_path_factory):
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            start_new_session=True,  # its own process group: a timeout ends its ranks too
         )
     for mode, flags in ((m, f) for m, f in EXAMPLE_RUNS.items() if m in wanted):
         started[mode] = subprocess.Popen(
@@ -115,6 +120,7 @@ def runs(request, tmp_path_factory):
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            start_new_session=True,  # its own process group: a timeout ends its ranks too
         )
     finished: dict[str, tuple[int, str]] = {}
 
@@ -124,7 +130,7 @@ def runs(request, tmp_path_factory):
             try:
                 output, _ = process.communicate(timeout=TIMEOUT_S)
             except subprocess.TimeoutExpired:
-                process.kill()
+                _kill(process)
                 output, _ = process.communicate()
                 output += f"\n[killed after {TIMEOUT_S} s]"
             finished[name] = (process.returncode, output)
@@ -133,8 +139,14 @@ def runs(request, tmp_path_factory):
     yield result
     for process in started.values():
         if process.poll() is None:
-            process.kill()
+            _kill(process)
             process.communicate()
+
+
+def _kill(process: subprocess.Popen) -> None:
+    """End a run and every process it started (its own process group)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
 
 
 def test_the_documents_show_python_and_every_skipped_block_says_why():
