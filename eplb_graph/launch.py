@@ -15,6 +15,7 @@ killed outright (Linux), when no cleanup can run.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import pickle
 import signal
@@ -32,6 +33,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from eplb_graph.errors import EplbError
+
+logger = logging.getLogger(__name__)
 
 STOP_GRACE_S = 3.0  # SIGTERM, then this long, then SIGKILL: a stop never waits on a rank
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -109,10 +112,10 @@ class RankDied(RankFailed):
 
 
 class RanksInterrupted(EplbError, RuntimeError):
-    """SIGTERM or SIGHUP reached the launcher: every rank was stopped, the scratch removed.
+    """SIGTERM or SIGHUP reached the launcher, every rank was stopped and the scratch removed,
+    and the signal, delivered again, did not end the process (it is blocked in this thread).
 
-    (SIGINT raises ``KeyboardInterrupt`` after the same cleanup, as Python does.) ``signum`` is
-    the signal; ``exit_status`` is the shell convention for it, ``128 + signum``.
+    ``signum`` is the signal; ``exit_status`` is the shell convention for it, ``128 + signum``.
     """
 
     def __init__(self, signum: int) -> None:
@@ -133,7 +136,22 @@ def _signal_name(signum: int) -> str:
 
 
 def _interruption(signum: int) -> BaseException:
-    return KeyboardInterrupt() if signum == signal.SIGINT else RanksInterrupted(signum)
+    """What unwinds the launcher: ``KeyboardInterrupt`` for SIGINT, as Python does; for SIGTERM
+    and SIGHUP a ``SystemExit``, which no ``except Exception`` on the way can swallow and which
+    :func:`spawn_ranks` turns back into the signal once the ranks are stopped."""
+    return KeyboardInterrupt() if signum == signal.SIGINT else SystemExit(128 + signum)
+
+
+def _die_by(signum: int) -> None:
+    """End this process by ``signum`` as its default action would have, now that the ranks and
+    the scratch are gone: its parent sees "killed by SIGTERM", not a Python error a host could
+    catch and carry on from."""
+    logger.warning("stopped by %s; every rank was stopped", _signal_name(signum))
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    signal.signal(signum, signal.SIG_DFL)
+    signal.raise_signal(signum)
+    raise RanksInterrupted(signum)  # only when the signal is blocked in this thread
 
 
 class _StopOnSignals:
@@ -151,6 +169,7 @@ class _StopOnSignals:
         self._previous: dict[int, object] = {}
         self._shielded = False
         self._pending: int | None = None
+        self.stopped_by: int | None = None  # the SIGTERM/SIGHUP that unwound the launcher
 
     def __enter__(self) -> _StopOnSignals:
         if threading.current_thread() is not threading.main_thread():
@@ -165,6 +184,7 @@ class _StopOnSignals:
             self._pending = self._pending or signum
             return
         self._shielded = True
+        self.stopped_by = signum
         raise _interruption(signum)
 
     def shield(self) -> None:
@@ -174,6 +194,7 @@ class _StopOnSignals:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         if self._pending is not None and exc_type is None:
+            self.stopped_by = self._pending
             raise _interruption(self._pending)
 
 
@@ -304,14 +325,28 @@ def spawn_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 600.0) 
     Raises:
         RankFailed: a rank raised (:class:`RankDied`: a rank's process died); the other ranks
             were stopped.
-        RanksInterrupted: SIGTERM or SIGHUP reached this process (SIGINT: ``KeyboardInterrupt``);
-            every rank was stopped.
+        KeyboardInterrupt: SIGINT reached this process; every rank was stopped first.
+        RanksInterrupted: only where SIGTERM or SIGHUP is blocked; otherwise, once every rank
+            is stopped and the scratch removed, the signal ends this process as it would have.
         RanksTimedOut: the ranks ran past ``timeout_s + 60`` s.
     In every case no rank outlives the call and the scratch directory is removed.
     """
     context = mp.get_context("spawn")
     _start_resource_tracker()
-    with _StopOnSignals() as signals, tempfile.TemporaryDirectory(prefix="eplb-graph-") as scratch:
+    signals = _StopOnSignals()
+    try:
+        return _run_ranks(context, signals, fn, world_size, args, timeout_s)
+    except SystemExit:
+        if signals.stopped_by is None or signals.stopped_by == signal.SIGINT:
+            raise  # the ranks' own code, or the host, asked to exit
+        _die_by(signals.stopped_by)
+        raise  # unreachable: _die_by never returns
+
+
+def _run_ranks(
+    context, signals: _StopOnSignals, fn: Callable, world_size: int, args: tuple, timeout_s: float
+) -> list:
+    with signals, tempfile.TemporaryDirectory(prefix="eplb-graph-") as scratch:
         init_file = os.path.join(scratch, "rendezvous")
         processes: list = []
         try:
