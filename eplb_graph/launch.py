@@ -135,17 +135,11 @@ def _signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
-class _Stopped(BaseException):
-    """Unwinds the launcher on SIGTERM/SIGHUP; a ``BaseException`` so that no ``except
-    Exception`` between the handler and :func:`spawn_ranks` can swallow the signal."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
 def _interruption(signum: int) -> BaseException:
-    return KeyboardInterrupt() if signum == signal.SIGINT else _Stopped(signum)
+    """What unwinds the launcher: ``KeyboardInterrupt`` for SIGINT, as Python does; for SIGTERM
+    and SIGHUP a ``SystemExit``, which no ``except Exception`` on the way can swallow and which
+    :func:`spawn_ranks` turns back into the signal once the ranks are stopped."""
+    return KeyboardInterrupt() if signum == signal.SIGINT else SystemExit(128 + signum)
 
 
 def _die_by(signum: int) -> None:
@@ -175,6 +169,7 @@ class _StopOnSignals:
         self._previous: dict[int, object] = {}
         self._shielded = False
         self._pending: int | None = None
+        self.stopped_by: int | None = None  # the SIGTERM/SIGHUP that unwound the launcher
 
     def __enter__(self) -> _StopOnSignals:
         if threading.current_thread() is not threading.main_thread():
@@ -189,6 +184,7 @@ class _StopOnSignals:
             self._pending = self._pending or signum
             return
         self._shielded = True
+        self.stopped_by = signum
         raise _interruption(signum)
 
     def shield(self) -> None:
@@ -198,6 +194,7 @@ class _StopOnSignals:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         if self._pending is not None and exc_type is None:
+            self.stopped_by = self._pending
             raise _interruption(self._pending)
 
 
@@ -336,15 +333,20 @@ def spawn_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 600.0) 
     """
     context = mp.get_context("spawn")
     _start_resource_tracker()
+    signals = _StopOnSignals()
     try:
-        return _run_ranks(context, fn, world_size, args, timeout_s)
-    except _Stopped as stopped:
-        _die_by(stopped.signum)
+        return _run_ranks(context, signals, fn, world_size, args, timeout_s)
+    except SystemExit:
+        if signals.stopped_by is None or signals.stopped_by == signal.SIGINT:
+            raise  # the ranks' own code, or the host, asked to exit
+        _die_by(signals.stopped_by)
         raise  # unreachable: _die_by never returns
 
 
-def _run_ranks(context, fn: Callable, world_size: int, args: tuple, timeout_s: float) -> list:
-    with _StopOnSignals() as signals, tempfile.TemporaryDirectory(prefix="eplb-graph-") as scratch:
+def _run_ranks(
+    context, signals: _StopOnSignals, fn: Callable, world_size: int, args: tuple, timeout_s: float
+) -> list:
+    with signals, tempfile.TemporaryDirectory(prefix="eplb-graph-") as scratch:
         init_file = os.path.join(scratch, "rendezvous")
         processes: list = []
         try:
