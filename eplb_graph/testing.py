@@ -12,6 +12,10 @@ uses it for the tiny MoE. Graph modes:
 - ``"auto"`` — what the machine and the state's device have: CUDA graphs for a CUDA state,
   NPU graphs for an NPU state, else ``compile:inductor``.
 
+A mode the kit does not know (``inductr``, ``compile:inductr``) is refused up front with
+:class:`UnknownGraphModeError` naming the valid ones, before anything is compiled or committed;
+left to torch, a backend typo surfaces only at the first call, as its ``InvalidBackend``.
+
 Every check compares the graph against an eager run of the same callable on the same state:
 outputs equal (within ``atol``), load deltas equal exactly, and the EPLB tensors' ``data_ptr``
 unchanged. The eager run must also read the live EPLB tables: graph and eager agree perfectly
@@ -25,6 +29,7 @@ finding listed; the pytest plugin (``eplb_graph.pytest_plugin``, auto-loaded thr
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.util
 import os
@@ -33,6 +38,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from eplb_graph.audit.hints import (
+    explain_capture_failure,
+    explain_compile_failure,
+    explain_recompile,
+)
 from eplb_graph.errors import EplbError
 from eplb_graph.placement import Placement
 from eplb_graph.state import EplbState
@@ -44,6 +54,30 @@ ALL_GRAPH_MODES = ("compile:eager", "compile:aot_eager", "compile:inductor", *DE
 
 class GraphRegressionError(EplbError, AssertionError):
     """A graph recompiled, re-captured, moved an EPLB tensor, or disagreed with eager."""
+
+
+class GraphBreakError(GraphRegressionError):
+    """The callable does not compile or capture as one graph, so there is nothing to replay.
+
+    ``torch_error`` keeps torch's own exception (Dynamo's or the device's) for whoever needs
+    its full text; the message itself is the cause, the user's line and how to fix it.
+    """
+
+    def __init__(self, message: str, torch_error: BaseException) -> None:
+        super().__init__(message)
+        self.torch_error = torch_error
+
+
+class KitArgumentError(EplbError, ValueError):
+    """An argument the kit cannot use: an unknown graph mode or finding kind."""
+
+
+class UnknownGraphModeError(KitArgumentError):
+    """A graph mode the kit does not know, such as a typo in a backend name."""
+
+
+class GraphModeUnavailableError(EplbError, RuntimeError):
+    """A known graph mode that this machine cannot run (no CUDA device, no torch_npu...)."""
 
 
 class GraphSafetyError(EplbError, AssertionError):
@@ -76,12 +110,19 @@ def assert_graph_safe(
 
     Returns:
         The :class:`~eplb_graph.audit.AuditReport` when no unignored finding remains.
+
+    Raises:
+        GraphSafetyError: listing every finding, with how to fix the ones the audit knows.
+        KitArgumentError: ``ignore_kinds`` names a kind the audit does not have.
     """
+    __tracebackhide__ = True  # pytest shows the caller's line, not the kit's frames
     from eplb_graph.audit import KINDS, run_audit
 
     unknown = sorted(set(ignore_kinds) - set(KINDS))
     if unknown:
-        raise ValueError(f"unknown finding kinds {unknown}; expected some of {list(KINDS)}")
+        raise KitArgumentError(
+            f"unknown finding kinds {unknown} in ignore_kinds; expected some of {list(KINDS)}"
+        )
     report = run_audit(fn, example_args, eplb_state, checks=checks)
     failing = [finding for finding in report.findings if finding.kind not in ignore_kinds]
     if failing:
@@ -111,8 +152,46 @@ class ReplayReport:
     notes: list[str] = field(default_factory=list)
 
 
+def _compile_backends() -> list[str]:
+    """Every backend name ``torch.compile`` accepts here, debug and registered ones included."""
+    return torch.compiler.list_backends(exclude_tags=())
+
+
+def check_graph_mode(mode: str) -> str:
+    """``mode`` unchanged when the kit knows it, else :class:`UnknownGraphModeError`.
+
+    Known: ``auto``, every mode of :data:`ALL_GRAPH_MODES`, and ``compile:<backend>`` for any
+    backend ``torch.compile`` has (``torch.compiler.list_backends(exclude_tags=())``, which
+    includes backends registered by the user's code before the check).
+    """
+    known = ("auto", *ALL_GRAPH_MODES)
+    if mode in known:
+        return mode
+    backends = _compile_backends()
+    prefix, sep, backend = mode.partition(":")
+    if prefix == "compile" and sep and backend in backends:
+        return mode
+    # Whole modes first ("cuda-graph"), then a bare backend name ("inductr" -> its compile mode).
+    modes = [*known, *(f"compile:{name}" for name in backends)]
+    close = difflib.get_close_matches(mode, modes, n=1, cutoff=0.75)
+    bare = backend if sep else mode
+    close = close or [f"compile:{name}" for name in difflib.get_close_matches(bare, backends, n=1)]
+    suggestion = f"did you mean {close[0]!r}? " if close else ""
+    what = f"torch.compile has no backend {backend!r}" if prefix == "compile" and sep else ""
+    raise UnknownGraphModeError(
+        f"unknown graph mode {mode!r}{f' ({what})' if what else ''}; {suggestion}valid modes: "
+        f"{', '.join(known)}, or compile:<backend> for another torch.compile backend "
+        f"(torch.compiler.list_backends(): {', '.join(torch.compiler.list_backends())})"
+    )
+
+
 def graph_mode_skip_reason(mode: str) -> str | None:
-    """``None`` when ``mode`` can run on this machine, else a human-readable reason."""
+    """``None`` when ``mode`` can run on this machine, else a human-readable reason.
+
+    Raises:
+        UnknownGraphModeError: for a mode the kit does not know (see :func:`check_graph_mode`).
+    """
+    check_graph_mode(mode)
     if mode == "auto" or mode.startswith("compile:"):
         return None
     if mode == "cuda_graph":
@@ -128,10 +207,7 @@ def graph_mode_skip_reason(mode: str) -> str | None:
             return f"torch_npu is installed but does not import: {error}"
         if not torch.npu.is_available():  # type: ignore[attr-defined]
             return "torch_npu imports but no NPU device is available"
-        return None
-    raise ValueError(
-        f"unknown graph mode {mode!r}; use auto, compile:<backend>, cuda_graph, npu_graph"
-    )
+    return None
 
 
 def graph_mode_device(mode: str) -> str:
@@ -144,7 +220,7 @@ def graph_mode_device(mode: str) -> str:
         return "cuda"
     if mode == "npu_graph":
         return "npu"
-    graph_mode_skip_reason(mode)  # ValueError for unknown modes
+    check_graph_mode(mode)
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -155,7 +231,7 @@ def resolve_graph_mode(mode: str, state: EplbState) -> str:
     a CUDA state with CUDA present gets ``cuda_graph``, an NPU state with torch_npu gets
     ``npu_graph``, anything else ``compile:inductor``.
     """
-    if mode != "auto":
+    if check_graph_mode(mode) != "auto":
         return mode
     device_type = str(state.device).split(":", 1)[0]  # "npu" is no torch.device without torch_npu
     device_mode = {"cuda": "cuda_graph", "npu": "npu_graph"}.get(device_type)
@@ -182,6 +258,7 @@ def _as_tuple(value) -> tuple:
 
 
 def _compare(label: str, got, expected, atol: float) -> float:
+    __tracebackhide__ = True
     worst = 0.0
     for index, (a, b) in enumerate(zip(_as_tuple(got), _as_tuple(expected), strict=True)):
         if not isinstance(a, torch.Tensor):
@@ -212,6 +289,7 @@ class _Harness:
         self.pointers = state.data_ptrs()
 
     def check_pointers(self, label: str) -> None:
+        __tracebackhide__ = True
         now = self.state.data_ptrs()
         moved = sorted(name for name, ptr in now.items() if self.pointers[name] != ptr)
         if moved:
@@ -219,6 +297,7 @@ class _Harness:
 
     def eager_reading_live_tables(self, label: str, args) -> object:
         """The eager oracle's output; raises if it routed through a copy of the EPLB tables."""
+        __tracebackhide__ = True
         from eplb_graph.audit.findings import relative_location
         from eplb_graph.audit.live_tables import LiveTableProbe
 
@@ -239,9 +318,10 @@ class _Harness:
             )
         return expected
 
-    def run_and_compare(self, label: str, run_graph: Callable[[], object], args) -> float:
+    def run_and_compare(self, label: str, run_graph: Callable[[str], object], args) -> float:
+        __tracebackhide__ = True
         load_before = self.state.load.clone()
-        got = run_graph()
+        got = run_graph(label)
         got = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in _as_tuple(got))
         graph_delta = self.state.load - load_before
         self.state.load.copy_(load_before)
@@ -272,19 +352,24 @@ def capture_commit_replay(
         state: the EPLB state ``fn`` reads; commits go through ``state.commit_``.
         placements: placements to commit one after another (each must differ to be meaningful);
             ``None`` commits three generated valid placements, each different from the last.
-        mode: see the module docstring (default ``"auto"``); ``ValueError`` for unknown modes.
+        mode: see the module docstring (default ``"auto"``).
         step_inputs: knobs cycled over the calls (valid-token count, record flag, offset step).
         atol: tolerance for floating outputs (compiled kernels may reassociate sums).
 
     Raises:
+        GraphBreakError: ``fn`` does not compile or capture as one graph (a
+            :class:`GraphRegressionError` naming the cause, the user's line and the fix).
         GraphRegressionError: on a recompile/re-capture, moved EPLB tensor, eager mismatch, or
             routing through a copy of the EPLB tables (commits never reach it).
-        RuntimeError: if ``mode`` cannot run here (see :func:`graph_mode_skip_reason`).
+        UnknownGraphModeError: for a mode the kit does not know, before anything runs.
+        GraphModeUnavailableError: if ``mode`` cannot run here (a ``RuntimeError``; see
+            :func:`graph_mode_skip_reason`).
     """
+    __tracebackhide__ = True
     mode = resolve_graph_mode(mode, state)
     reason = graph_mode_skip_reason(mode)
     if reason is not None:
-        raise RuntimeError(f"graph mode {mode} unavailable: {reason}")
+        raise GraphModeUnavailableError(f"graph mode {mode} unavailable: {reason}")
     if placements is None:
         from eplb_graph.audit.placements import alternative_placements
 
@@ -320,19 +405,36 @@ def _rows(args: tuple) -> int:
     return 0 if first is None else int(first.shape[0])
 
 
+def _describe(fn: Callable) -> str:
+    return getattr(fn, "__qualname__", type(fn).__qualname__)
+
+
 def _compiled_runner(fn, args, backend: str, report: ReplayReport):
+    __tracebackhide__ = True
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     compiled = torch.compile(fn, backend=backend, fullgraph=True)
-    compiled(*args)  # first call compiles; later calls must hit the same graph
+    try:
+        compiled(*args)  # first call compiles; later calls must hit the same graph
+    except torch._dynamo.exc.Unsupported as error:
+        message = explain_compile_failure(f"compile:{backend}", _describe(fn), error)
+        raise GraphBreakError(message, error) from None
     graphs_after_warmup = counters["stats"]["unique_graphs"]
 
-    def run():
-        with torch.compiler.set_stance("fail_on_recompile"):
-            return compiled(*args)
+    def run(label: str):
+        __tracebackhide__ = True
+        try:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                return compiled(*args)
+        except RuntimeError as error:
+            message = explain_recompile(label, error)
+            if message is None:
+                raise
+            raise GraphRegressionError(message) from None
 
     def finish():
+        __tracebackhide__ = True
         report.unique_graphs = counters["stats"]["unique_graphs"]
         if report.unique_graphs != graphs_after_warmup:
             raise GraphRegressionError(
@@ -344,6 +446,7 @@ def _compiled_runner(fn, args, backend: str, report: ReplayReport):
 
 
 def _device_graph_runner(fn, args, mode: str, state: EplbState, knob: StepInputs):
+    __tracebackhide__ = True
     device_module, graph_class = _device_graph_api(mode)
     state.set_step_inputs_(knob.num_valid_tokens, knob.record)
     load_before = state.load.clone()
@@ -354,12 +457,16 @@ def _device_graph_runner(fn, args, mode: str, state: EplbState, knob: StepInputs
             fn(*args)
     device_module.current_stream().wait_stream(side)
     graph = graph_class()
-    with device_module.graph(graph):
-        static_out = fn(*args)
+    try:
+        with device_module.graph(graph):
+            static_out = fn(*args)
+    except RuntimeError as error:  # the eager warm-up ran, so the capture itself refused fn
+        raise GraphBreakError(explain_capture_failure(mode, _describe(fn), error), error) from None
     device_module.synchronize()
     state.load.copy_(load_before)  # warm-up and capture must not count as executed load
 
-    def run():
+    def run(label: str):
+        __tracebackhide__ = True
         graph.replay()
         device_module.synchronize()
         return static_out

@@ -27,6 +27,7 @@ from eplb_graph.audit import (
     TargetError,
     TargetRaised,
     alternative_placement,
+    hints,
     load_target,
     register_op_body,
     run_audit,
@@ -165,6 +166,12 @@ graph_break  tests/broken_models.py:82  graph break: Unsupported Tensor.item() c
 host_sync    tests/broken_models.py:82  aten._local_scalar_dense reads a device value on the host
 
 2 findings: not graph-safe
+
+how to fix:
+- a Python value read from a device tensor (.item(), .tolist(), `if tensor:`) stops the
+  graph on the host and freezes that value into it. Keep it on the device: pass the tensor
+  itself on (the eplb_graph ops take num_valid_tokens and record_enabled as tensors), and
+  replace a branch on a tensor with torch.where(condition, a, b) or arithmetic on a mask.
 """,  # noqa: E501
         )
 
@@ -867,6 +874,67 @@ def test_aten_walk_flags_masks_nonzero_bincount_and_cond_without_state():
         ("host_sync", _zoo_line("zeroed[mask] = 0")),
         ("host_sync", _zoo_line("torch.cond")),
     }
+
+
+def _masked_dispatch(x: torch.Tensor, expert_of_token: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(x)
+    for expert in range(3):
+        chosen = torch.where(expert_of_token == expert)[0]  # one-argument where: nonzero
+        out[chosen] = x[expert_of_token == expert] * (expert + 1)  # boolean mask
+    return out
+
+
+def test_dispatch_findings_show_the_graph_safe_pattern_once():
+    args = (torch.randn(6, 4), torch.tensor([0, 1, 2, 0, 1, 2]))
+    report = run_audit(_masked_dispatch, args, None, checks=["graph_breaks", "host_syncs"])
+    kinds = {finding.kind for finding in report.findings}
+    assert {"host_sync", "dynamic_shape"} <= kinds
+    text = report.render_text(root=ROOT)
+    _, _, fixes = text.partition("\nhow to fix:\n")
+    assert fixes.count("Dispatch on fixed shapes instead") == 1
+    assert "".join(f"      {line}\n" for line in hints.DISPATCH_EXAMPLE.splitlines()) in fixes
+    assert "index_select" in fixes and "scatter_add_" in fixes
+
+
+def test_the_dispatch_pattern_of_the_hint_is_graph_safe_and_right():
+    """The advice is run, not only printed: it must audit clean and compute the routed sum."""
+    source = "def dispatch(x, physical_ids, gates, expert_weights, top_k):\n"
+    source += "".join(f"    {line}\n" for line in hints.DISPATCH_EXAMPLE.splitlines())
+    source += "    return y\n"
+    namespace: dict = {}
+    exec(compile(source, "<hints.DISPATCH_EXAMPLE>", "exec"), {"torch": torch}, namespace)
+    dispatch = namespace["dispatch"]
+    tokens, hidden, slots, top_k = 6, 4, 5, 2
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, hidden, generator=generator)
+    ids = torch.randint(-1, slots, (tokens, top_k), generator=generator)
+    ids[0, 0] = -1  # a padded choice contributes nothing
+    gates = torch.rand(tokens, top_k, generator=generator)
+    weights = torch.randn(slots, hidden, hidden, generator=generator)
+    expected = torch.zeros_like(x)
+    for token in range(tokens):
+        for choice in range(top_k):
+            slot = int(ids[token, choice])
+            if slot >= 0:
+                expected[token] += gates[token, choice] * (x[token] @ weights[slot])
+    args = (x, ids, gates, weights, top_k)
+    torch.testing.assert_close(dispatch(*args), expected)
+    assert run_audit(dispatch, args, None).clean
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("aten.index with a boolean mask (nonzero on the host)", "DYNAMIC_SHAPE_HINT"),
+        ("aten.nonzero has a data-dependent output shape", "DYNAMIC_SHAPE_HINT"),
+        ("graph break: Dynamic shape operator", "DYNAMIC_SHAPE_HINT"),
+        ("aten._local_scalar_dense reads a device value on the host", "HOST_VALUE_HINT"),
+        ("Data-dependent branching", "HOST_VALUE_HINT"),
+        ("EPLB tensor `log2phy` changed address after commit", None),
+    ],
+)
+def test_hints_follow_the_defect(text, expected):
+    assert hints.hint_for_text(text) == (getattr(hints, expected) if expected else None)
 
 
 def test_commit_checks_are_skipped_not_failed_without_state():

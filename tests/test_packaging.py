@@ -1,4 +1,5 @@
-"""An installed package carries the kernel source where the native loader looks for it.
+"""What an install gives: the kernel source where the native loader looks for it, and the
+extras the docs name.
 
 The source lives outside the package (``custom_ops/csrc``), so only the build step puts it into
 wheels; an editable install or a checkout reads it in place. Both layouts are checked here so a
@@ -8,6 +9,7 @@ packaging change cannot silently leave installed copies on the slower reference 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -57,3 +59,28 @@ def test_built_package_ships_the_source_inside_eplb_graph(tmp_path):
     )
     assert found.returncode == 0, found.stderr
     assert Path(found.stdout.strip()) == shipped
+
+
+def _extras() -> dict[str, list[str]]:
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return project["optional-dependencies"]
+
+
+def test_the_testing_docs_install_command_brings_pytest():
+    """docs/testing.md says what to install for the kit's fixtures; those extras must bring
+    pytest, which the main job's extras (native, plot) do not."""
+    section = (ROOT / "docs" / "testing.md").read_text().split("## Install", 1)
+    assert len(section) == 2, "docs/testing.md lost its Install section"
+    commands = re.findall(r"pip install [^\n`]+", section[1].split("\n## ", 1)[0])
+    assert commands, "the Install section of docs/testing.md names no pip install command"
+    extras = _extras()
+    for command in commands:
+        named = {
+            name.strip()
+            for group in re.findall(r"\[([\w,\s-]+)\]", command)
+            for name in group.split(",")
+        }
+        assert named and named <= extras.keys(), f"{command!r} names unknown extras"
+        requirements = [requirement for name in named for requirement in extras[name]]
+        assert any(re.match(r"pytest\b", requirement) for requirement in requirements), command

@@ -25,6 +25,7 @@ from eplb_graph.audit.findings import (
     location_from_text,
     location_of_callable,
 )
+from eplb_graph.audit.hints import PYTHON_VALUE_FIX, summarize_dynamo_message
 from eplb_graph.audit.live_tables import live_tables
 from eplb_graph.audit.placements import alternative_placement
 from eplb_graph.audit.report import NO_STATE, CheckResult
@@ -118,23 +119,10 @@ class _BreakEvents(logging.Handler):
             self.payloads.append(str(getattr(record, "payload", "")))
 
 
-def _summarize_reason(text: str) -> tuple[str, str]:
-    """``(reason, explanation)`` from a Dynamo break message (first meaningful line)."""
-    body, _, _ = text.partition("Explanation:")
-    lines = [line.strip() for line in body.splitlines() if line.strip()]
-    reason = lines[0] if lines else text.strip()
-    if reason.endswith(":") and len(lines) > 1:
-        reason = lines[1]  # skip wrappers such as "Encountered graph break when ...:"
-    explanation = ""
-    if "Explanation:" in text:
-        explanation = text.split("Explanation:", 1)[1].strip().splitlines()[0].strip()
-    return reason, explanation
-
-
 def _parse_break_payload(payload: str) -> tuple[str, str, str | None]:
     reason_text = payload.split("Graph Break Reason:", 1)[-1]
     reason_text = reason_text.split("User code traceback:", 1)[0]
-    reason, explanation = _summarize_reason(reason_text)
+    reason, explanation = summarize_dynamo_message(reason_text)
     traceback_text = payload.split("User code traceback:", 1)[-1]
     traceback_text = traceback_text.split("Traceback (most recent call last)", 1)[0]
     location = location_from_text(traceback_text)
@@ -152,7 +140,7 @@ def graph_breaks(ctx: AuditContext) -> CheckResult:
     try:
         explanation = torch._dynamo.explain(ctx.fn)(*ctx.args)
     except Exception as error:
-        reason, explanation_line = _summarize_reason(str(error) or type(error).__name__)
+        reason, explanation_line = summarize_dynamo_message(str(error) or type(error).__name__)
         location = location_from_stack(getattr(error, "real_stack", None))
         finding = Finding(
             "compile_error",
@@ -181,7 +169,7 @@ def graph_breaks(ctx: AuditContext) -> CheckResult:
         location = location_from_stack(item.user_stack) or ctx.fallback_location
         if location in located:
             continue
-        reason, detail = _summarize_reason(item.reason)
+        reason, detail = summarize_dynamo_message(item.reason)
         findings.append(Finding("graph_break", "graph_breaks", f"graph break: {reason}", location))
     if explanation.graph_count > 1 and not findings:
         findings.append(
@@ -214,7 +202,7 @@ def fullgraph(ctx: AuditContext) -> CheckResult:
     except Exception as error:
         reason = getattr(error, "gb_type", None)
         text = str(error) or type(error).__name__
-        summary, explanation = _summarize_reason(text)
+        summary, explanation = summarize_dynamo_message(text)
         location = location_from_stack(getattr(error, "real_stack", None))
         finding = Finding(
             "fullgraph_failed",
@@ -241,7 +229,7 @@ def host_syncs(ctx: AuditContext) -> CheckResult:
     findings: list[Finding] = []
     error = session.error
     if error is not None:
-        summary, detail = _summarize_reason(str(error) or type(error).__name__)
+        summary, detail = summarize_dynamo_message(str(error) or type(error).__name__)
         location = location_from_stack(getattr(error, "real_stack", None))
         findings.append(
             Finding(
@@ -255,7 +243,9 @@ def host_syncs(ctx: AuditContext) -> CheckResult:
     custom_sites: dict = {}
     for record in session.graphs:
         if record.aot_error is not None:
-            summary, _ = _summarize_reason(str(record.aot_error) or type(record.aot_error).__name__)
+            summary, _ = summarize_dynamo_message(
+                str(record.aot_error) or type(record.aot_error).__name__
+            )
             findings.append(
                 Finding(
                     "compile_error",
@@ -453,7 +443,7 @@ def python_values(ctx: AuditContext) -> CheckResult:
                     f"routing state read from a Python value is frozen into the graph: "
                     f"`{expression}` stopped holding after {outcome.name}",
                     location or ctx.fallback_location,
-                    "keep it in a device tensor of the EPLB state and update it in place",
+                    PYTHON_VALUE_FIX,
                 )
             )
     note = "non-tensor guards checked after: " + _step_names(ctx.steps)

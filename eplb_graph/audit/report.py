@@ -24,6 +24,7 @@ import os
 from dataclasses import dataclass, field
 
 from eplb_graph.audit.findings import Finding, sort_key
+from eplb_graph.audit.hints import hints_for
 
 SCHEMA_VERSION = 1
 
@@ -102,7 +103,8 @@ class AuditReport:
         return json.dumps(self.as_dict(root), indent=2, sort_keys=True) + "\n"
 
     def render_text(self, root: str | os.PathLike | None = None) -> str:
-        """The human report: checks with their notes, then a findings table."""
+        """The human report: checks with their notes, a findings table, and how to fix them
+        (the shared advice of ``eplb_graph.audit.hints``) where a finding has a known fix."""
         report = self.relative_to(os.getcwd() if root is None else root)
         lines = [f"graph audit of {report.target}", "", "checks:"]
         name_width = max(len(check.name) for check in report.checks)
@@ -126,4 +128,10 @@ class AuditReport:
         lines.append("")
         count = len(findings)
         lines.append(f"{count} finding{'s' if count != 1 else ''}: not graph-safe")
+        hints = hints_for([f"{finding.message}\n{finding.detail}" for finding in findings])
+        if hints:
+            lines += ["", "how to fix:"]
+            for hint in hints:
+                first, *rest = hint.splitlines()
+                lines += [f"- {first}", *(f"  {line}" for line in rest)]
         return "\n".join(lines) + "\n"
