@@ -30,7 +30,7 @@ class SchedulerStats:
     rearrangements_finished: int = 0
     rearrangements_failed: int = 0
     rearrangements_completed: int = 0  # ended ok with layers, every one of them installed
-    windows_committed: int = 0  # items (windows, plans) consumed by the completed ones
+    windows_committed: int = 0  # items (windows, plans) consumed by jobs that committed layers
 
 
 class CommitScheduler:
@@ -112,9 +112,10 @@ class CommitScheduler:
     def _finish(self, item: RearrangementFinished) -> None:
         self.jobs_in_flight -= item.items_consumed
         self.stats.rearrangements_finished += 1
+        # The job's layers were ahead of this marker in the queue: all are installed now.
+        if item.layers_published:  # its windows led to committed layers, even if it aborted later
+            self.stats.windows_committed += item.items_consumed
         if not item.ok:
             self.stats.rearrangements_failed += 1
         elif item.layers_published:
-            # The job's layers were ahead of this marker in the queue: all are installed now.
             self.stats.rearrangements_completed += 1
-            self.stats.windows_committed += item.items_consumed
