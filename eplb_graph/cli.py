@@ -136,12 +136,27 @@ def _audit(args: argparse.Namespace) -> int:
     return 0 if report.clean else 1
 
 
+def package_version() -> str:
+    """The installed distribution's version; the package's own in a bare source tree."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("eplb-graph")
+    except metadata.PackageNotFoundError:
+        import eplb_graph
+
+        return getattr(eplb_graph, "__version__", "unknown")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineArgumentParser(
         prog="eplb-graph",
         description="Graph-capture-first Expert Parallelism Load Balancer for MoE inference.",
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="log at INFO level (every rank's logs too)"
+    )
+    parser.add_argument("--version", action="version", version=f"eplb-graph {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     info = commands.add_parser("info", help="show the op library's kernels and graph modes")
     info.add_argument(

@@ -30,12 +30,42 @@ class UsageError(EplbError, ValueError):
     """A command-line value the command cannot use; the message names the option and the fix."""
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Ends every option's help with its default (what ``ArgumentDefaultsHelpFormatter`` does).
+
+    A user should not have to read the source to learn what an option does when left out.
+    ``None`` (no value: the option is off or computed), a flag's ``False`` and a help text that
+    states its default itself are left as they are.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            "(default" in text  # the help states its default itself
+            or default is None
+            or default is False
+            or default is argparse.SUPPRESS
+            or (
+                not action.option_strings
+                and action.nargs not in (argparse.OPTIONAL, argparse.ZERO_OR_MORE)
+            )
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 class OneLineArgumentParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose usage errors are one stderr line and exit status 2.
 
     Scripts and CI read the last line of stderr; argparse's default prints the whole usage block
-    first, which for ``simulate`` is a dozen lines. Subparsers inherit this class.
+    first, which for ``simulate`` is a dozen lines. Subparsers inherit this class, and with it
+    :class:`HelpFormatter`, so every ``--help`` shows the defaults.
     """
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(USAGE_STATUS, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
