@@ -12,6 +12,7 @@ its report destinations first (:func:`check_destination`), reports a refusal as 
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import stat
@@ -24,6 +25,7 @@ from typing import NoReturn
 from eplb_graph.errors import EplbError
 
 USAGE_STATUS = 2
+logger = logging.getLogger("eplb_graph.cli")
 
 
 class UsageError(EplbError, ValueError):
@@ -76,6 +78,24 @@ def refuse(command: str, error: BaseException | str) -> int:
     text = " ".join(str(error).split())  # one line, whatever the error's message holds
     sys.stderr.write(f"{command}: {text}\n")
     return USAGE_STATUS
+
+
+def warn_if_window_capped(window_size: int, step_interval: int) -> None:
+    """Warn that a window longer than the interval is cut to it (the run goes on).
+
+    Load recorded before the previous rearrangement belongs to a placement that no longer
+    exists, so the control plane plans on ``min(window, interval)`` steps; a user who asked for
+    more should learn that the option did not do what it says.
+    """
+    if window_size > step_interval:
+        logger.warning(
+            "--window-size %d exceeds --step-interval %d: each rearrangement uses only the %d "
+            "steps recorded since the previous one (older load describes a placement that no "
+            "longer exists); set --window-size <= --step-interval to silence this",
+            window_size,
+            step_interval,
+            step_interval,
+        )
 
 
 def _integer(text: str) -> int:

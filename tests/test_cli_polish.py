@@ -4,7 +4,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +25,10 @@ def _commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
         if isinstance(action, argparse._SubParsersAction):
             for name, subparser in action.choices.items():
                 yield from _commands(subparser, (*path, name))
+
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL_SIMULATION = ["simulate", "--steps", "10", "--layers", "2", "--no-progress"]
 
 
 COMMANDS = dict(_commands(cli.build_parser()))
@@ -84,3 +94,85 @@ def test_version_prints_the_package_version_and_exits_0(capsys):
     out = capsys.readouterr().out
     assert re.fullmatch(r"eplb-graph \d+\.\d+\.\d+\S*\n", out), out
     assert out == f"eplb-graph {cli.package_version()}\n"
+
+
+def _run_cli(*argv: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run ``eplb-graph`` as a user does: a fresh interpreter, whose logging pytest cannot touch."""
+    environment = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "eplb_graph.cli", *argv],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=environment,
+        timeout=timeout,
+    )
+
+
+def test_simulate_warns_when_the_window_is_capped_at_the_interval_and_goes_on():
+    result = _run_cli(
+        *("simulate", "--steps", "40", "--layers", "2", "--experts", "16", "--top-k", "2"),
+        *("--num-redundant", "0", "--ranks", "4", "--no-progress"),
+        *("--window-size", "20", "--step-interval", "10"),
+    )
+    assert result.returncode == 0, result.stderr
+    warning = [line for line in result.stderr.splitlines() if "WARNING" in line]
+    assert len(warning) == 1, result.stderr
+    assert "--window-size 20 exceeds --step-interval 10" in warning[0]
+    assert "only the 10 steps" in warning[0]
+    assert "balancedness" in result.stdout
+
+
+def test_simulate_does_not_warn_when_the_window_fits(capsys):
+    argv = [*SMALL_SIMULATION, "--window-size", "10", "--step-interval", "10"]
+    with _cli_warnings() as warnings:
+        assert cli.main(argv) == 0
+    assert warnings == []
+
+
+def test_demo_warns_when_the_window_is_capped_at_the_interval(monkeypatch, capsys):
+    monkeypatch.setattr("eplb_graph.demo.command._run_spawned", lambda options: 0)
+    argv = ["demo", "--no-plot", "--window-size", "80", "--step-interval", "60"]
+    with _cli_warnings() as warnings:
+        assert cli.main(argv) == 0
+    assert len(warnings) == 1
+    assert "--window-size 80 exceeds --step-interval 60" in warnings[0]
+
+
+@contextlib.contextmanager
+def _cli_warnings():
+    """The WARNING records the CLI logs (pytest owns the root logger's handlers here)."""
+    records: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                records.append(record.getMessage())
+
+    handler = Collect()
+    cli_logger = logging.getLogger("eplb_graph.cli")
+    cli_logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        cli_logger.removeHandler(handler)
+
+
+SMALL_DEMO = (
+    *("demo", "--ranks", "2", "--steps", "30", "--layers", "2", "--experts", "8"),
+    *("--redundant", "4", "--window-size", "10", "--step-interval", "15"),
+    *("--no-plot", "--no-progress", "--backend", "eager"),
+)
+
+
+@pytest.mark.multiprocess
+def test_verbose_reaches_every_rank_and_quiet_shows_no_info():
+    verbose = _run_cli("-v", *SMALL_DEMO)
+    assert verbose.returncode == 0, verbose.stderr
+    info = [line for line in verbose.stderr.splitlines() if " INFO " in f" {line} "]
+    for rank in (0, 1):
+        assert any(line.startswith(f"[rank {rank}] INFO") for line in info), verbose.stderr
+    assert any("committed layers" in line for line in info), verbose.stderr
+    quiet = _run_cli(*SMALL_DEMO)
+    assert quiet.returncode == 0, quiet.stderr
+    assert "INFO" not in quiet.stderr, quiet.stderr

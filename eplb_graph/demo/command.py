@@ -13,6 +13,7 @@ from eplb_graph.cli_support import (
     check_destination,
     check_plotting,
     refuse,
+    warn_if_window_capped,
     write_file_atomically,
     write_text_atomically,
 )
@@ -154,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         options = options_from_args(args, ranks=int(os.environ["WORLD_SIZE"]) if torchrun else None)
         if not torchrun or os.environ["RANK"] == "0":  # only rank 0 writes the report
             check_outputs(args)
+            warn_if_window_capped(options.window_size, options.step_interval)
     except EplbError as error:
         return refuse(COMMAND, error)
     report = _run_torchrun(options) if torchrun else _run_spawned(options)

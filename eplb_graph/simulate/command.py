@@ -15,6 +15,7 @@ from eplb_graph.cli_support import (
     float_between,
     int_at_least,
     refuse,
+    warn_if_window_capped,
     write_file_atomically,
     write_text_atomically,
 )
@@ -224,6 +225,7 @@ def _prepare(args: argparse.Namespace):
         expert_bytes=args.expert_bytes,
     )
     check_cluster(trace, cluster, policies)
+    warn_if_window_capped(args.window_size, args.step_interval)
     settings = [
         ControlSettings(
             window_size=args.window_size,
