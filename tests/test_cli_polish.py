@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import re
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from eplb_graph import cli
 from eplb_graph.policy import policy_names
@@ -176,3 +178,96 @@ def test_verbose_reaches_every_rank_and_quiet_shows_no_info():
     quiet = _run_cli(*SMALL_DEMO)
     assert quiet.returncode == 0, quiet.stderr
     assert "INFO" not in quiet.stderr, quiet.stderr
+
+
+def _trace(tmp_path: Path, layers: int = 3, experts: int = 16) -> Path:
+    from eplb_graph.simulate.trace import TraceSpec, generate_trace, save_trace
+
+    path = tmp_path / "trace.npz"
+    spec = TraceSpec(num_layers=layers, num_experts=experts, top_k=2, num_steps=200, seed=1)
+    save_trace(generate_trace(spec), path)
+    return path
+
+
+def test_map_write_default_placement_round_trips_through_map_validate(tmp_path, capsys):
+    from eplb_graph.placement import Placement
+
+    out = tmp_path / "map.json"
+    argv = ["map", "write", str(out), "--layers", "2", "--experts", "8"]
+    assert cli.main([*argv, "--redundant", "4", "--ranks", "4"]) == 0
+    assert "wrote:" in capsys.readouterr().out
+    assert cli.main(["map", "validate", str(out), "--num-logical", "8"]) == 0
+    assert "valid:" in capsys.readouterr().out
+    assert Placement.load_expert_map(out, num_logical=8) == Placement.default(2, 8, 4, 4)
+
+
+@pytest.mark.parametrize("policy", ["default", "churn_aware", "flash_lb", "swift_balance"])
+def test_map_write_plans_on_the_traces_total_load(policy, tmp_path, capsys):
+    from eplb_graph.map_command import trace_total_load
+    from eplb_graph.placement import Placement
+    from eplb_graph.policy import balancedness, rank_load, rebalance
+
+    trace, out = _trace(tmp_path), tmp_path / "map.json"
+    argv = ["map", "write", str(out), "--trace", str(trace), "--policy", policy]
+    assert cli.main([*argv, "--redundant", "8", "--ranks", "8"]) == 0
+    assert cli.main(["map", "validate", str(out), "--num-logical", "16"]) == 0
+    written = Placement.load_expert_map(out, num_logical=16)
+    load = trace_total_load(str(trace))
+    assert torch.equal(written.phy2log, rebalance(policy, load, 24, 1, 1, 8))
+    initial = Placement.default(3, 16, 8, 8)
+    planned = balancedness(rank_load(written.phy2log, load, 8))
+    assert planned >= balancedness(rank_load(initial.phy2log, load, 8))
+
+
+MAP_WRITE_USAGE_ERRORS = [
+    (["--layers", "2", "--experts", "8", "--redundant", "3", "--ranks", "4"], "not divisible"),
+    (["--layers", "1", "--experts", "2", "--redundant", "2", "--ranks", "1"], "one copy"),
+    (["--experts", "8", "--ranks", "4"], "--layers and --experts are required"),
+    (["--layers", "2", "--experts", "8", "--ranks", "4", "--policy", "default"], "--trace"),
+    (["--layers", "2", "--experts", "8"], "--ranks"),
+    (["--layers", "0", "--experts", "8", "--ranks", "4"], "--layers"),
+    (["--layers", "2", "--experts", "8", "--ranks", "4", "--policy", "nope"], "nope"),
+    (["--trace", "{tmp}/missing.npz", "--ranks", "4"], "missing.npz"),
+    (["--trace", "{trace}", "--ranks", "4", "--layers", "5"], "--layers 5 does not match"),
+    (["--trace", "{trace}", "--ranks", "4", "--groups", "3"], "--groups 3"),
+    (["--trace", "{trace}", "--ranks", "4", "--redundant", "8"], "lower --redundant"),
+]
+
+
+@pytest.mark.parametrize(("options", "mentions"), MAP_WRITE_USAGE_ERRORS)
+def test_map_write_shape_errors_are_one_line_exit_2_and_write_nothing(
+    options, mentions, tmp_path, capsys
+):
+    trace = _trace(tmp_path)
+    out = tmp_path / "map.json"
+    options = [o.format(tmp=tmp_path, trace=trace) for o in options]
+    try:
+        status = cli.main(["map", "write", str(out), *options])
+    except SystemExit as exit_:  # argparse's usage errors
+        status = exit_.code
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert mentions in err, err
+    assert not out.exists()
+
+
+def test_map_write_refuses_an_unwritable_destination_first(tmp_path, capsys):
+    out = tmp_path / "missing" / "map.json"
+    assert cli.main(["map", "write", str(out), "--layers", "1", "--experts", "4", "--ranks", "2"])
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "does not exist" in err
+
+
+@pytest.mark.parametrize("status", ["pending", "loaded", "disabled", "unavailable"])
+def test_info_says_what_the_native_kernel_status_means(status, monkeypatch, tmp_path, capsys):
+    from eplb_graph.ops import native
+
+    monkeypatch.setattr(native, "status", lambda: native.NativeStatus(status))
+    path = tmp_path / "info.json"
+    assert cli.main(["info", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    note = next(line for line in out.splitlines() if line.startswith("native_note"))
+    assert json.loads(path.read_text())["native_note"] in note
+    if status == "pending":
+        assert "not built yet" in note and "eplb-graph info --build-native" in note
