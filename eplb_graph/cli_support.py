@@ -98,6 +98,17 @@ def warn_if_window_capped(window_size: int, step_interval: int) -> None:
         )
 
 
+def policy_metavar() -> str:
+    """``{name,...}`` of the registered policies, for an option's usage and help.
+
+    Not argparse ``choices``: an unknown name is refused by the policy registry itself
+    (``UnknownPolicyError``, exit 2), whose message is the same wherever a policy is named.
+    """
+    from eplb_graph.policy import policy_names
+
+    return "{" + ",".join(policy_names()) + "}"
+
+
 def _integer(text: str) -> int:
     try:
         return int(text, 10)

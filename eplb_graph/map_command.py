@@ -17,6 +17,7 @@ from eplb_graph.cli_support import (
     UsageError,
     check_destination,
     int_at_least,
+    policy_metavar,
     refuse,
     write_text_atomically,
 )
@@ -93,9 +94,11 @@ def trace_total_load(path: str) -> torch.Tensor:
 def _planned(args: argparse.Namespace):
     """The placement to write (checked; nothing written yet)."""
     from eplb_graph.placement import Placement
-    from eplb_graph.policy import rebalance
+    from eplb_graph.policy import get_policy, rebalance
     from eplb_graph.tables import check_slots_per_rank
 
+    if args.policy is not None:
+        get_policy(args.policy)  # an unknown name is a usage error, before the trace is read
     if args.trace is None:
         if args.policy is not None:
             raise UsageError(f"--policy {args.policy} plans on a load: pass --trace NPZ too")
@@ -162,8 +165,6 @@ def write(args: argparse.Namespace) -> int:
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
-    from eplb_graph.policy import policy_names
-
     parser = commands.add_parser("map", help="expert-map JSON files (vllm-ascend schema)")
     map_commands = parser.add_subparsers(dest="map_command", required=True)
     checker = map_commands.add_parser(
@@ -220,7 +221,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
     )
     writer.add_argument(
         "--policy",
-        choices=policy_names(),
+        metavar=policy_metavar(),
         help="policy that plans on --trace (default: default, when --trace is given)",
     )
     writer.add_argument(

@@ -12,6 +12,7 @@ import sys
 from eplb_graph.cli_support import (
     check_destination,
     check_plotting,
+    policy_metavar,
     refuse,
     warn_if_window_capped,
     write_file_atomically,
@@ -20,7 +21,6 @@ from eplb_graph.cli_support import (
 from eplb_graph.demo.runner import COMPILE_BACKENDS, DemoOptions, run_rank
 from eplb_graph.errors import EplbError
 from eplb_graph.models.ep_moe import FORMATS
-from eplb_graph.policy import policy_names
 from eplb_graph.progress import NO_PROGRESS_HELP
 
 COMMAND = "eplb-graph demo"
@@ -72,7 +72,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
     )
     option(
         "--policy",
-        choices=policy_names(),
+        metavar=policy_metavar(),
         default=defaults.policy,
         help="rebalance policy ('random' is a test policy)",
     )

@@ -14,6 +14,7 @@ from eplb_graph.cli_support import (
     check_plotting,
     float_between,
     int_at_least,
+    policy_metavar,
     refuse,
     warn_if_window_capped,
     write_file_atomically,
@@ -22,7 +23,7 @@ from eplb_graph.cli_support import (
 from eplb_graph.control import ControlSettings
 from eplb_graph.errors import EplbError
 from eplb_graph.placement import Placement
-from eplb_graph.policy import get_policy, policy_names, rebalance
+from eplb_graph.policy import get_policy, rebalance
 from eplb_graph.progress import NO_PROGRESS_HELP
 from eplb_graph.simulate.simulator import ClusterShape, SimulationReport, plot_reports, simulate
 from eplb_graph.simulate.trace import LoadTrace, TraceSpec, generate_trace, load_trace
@@ -82,7 +83,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
     control.add_argument(
         "--policy",
         action="append",
-        choices=policy_names(),
+        metavar=policy_metavar(),
         help="policy to simulate; repeat it for one report per policy on the same trace "
         "(default: default)",
     )
