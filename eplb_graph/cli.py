@@ -19,7 +19,6 @@ from eplb_graph.cli_support import (
     OneLineArgumentParser,
     UsageError,
     check_destination,
-    int_at_least,
     refuse,
     write_text_atomically,
 )
@@ -36,6 +35,19 @@ def _write_json(command: str, path: str | None, text: str) -> int:
     except OSError as error:
         return refuse(command, f"cannot write --json {path}: {error.strerror or error}")
     return 0
+
+
+#: What each native-kernel status means for a user, and what to do about it (one line each).
+NATIVE_MEANING = {
+    "loaded": "the fused native kernel serves CPU calls",
+    "pending": "not built yet: it is built (about 30 s, then cached) on the first CPU call of an "
+    "op; build it now with `eplb-graph info --build-native`",
+    "disabled": "EPLB_GRAPH_NATIVE=off: the ATen reference kernel serves CPU calls on purpose",
+    "unavailable": "the build failed (native_failure says why): the ATen reference kernel serves "
+    "CPU calls, several times slower; install a C++ compiler and ninja, then run "
+    "`eplb-graph info --build-native`",
+    "not-installed": "the op library was not imported",
+}
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -58,6 +70,7 @@ def _info(args: argparse.Namespace) -> int:
         "graph_modes": available_graph_modes(),
         "cuda_available": torch.cuda.is_available(),
     }
+    report["native_note"] = NATIVE_MEANING[report["native_cpu_kernel"]]
     width = max(len(key) for key in report)
     for key, value in report.items():
         sys.stdout.write(f"{key:<{width}}  {value}\n")
@@ -66,42 +79,6 @@ def _info(args: argparse.Namespace) -> int:
 
 def _json_text(report: dict) -> str:
     return json.dumps(report, indent=2, sort_keys=True) + "\n"
-
-
-def _map_validate(args: argparse.Namespace) -> int:
-    """Validate an expert-map file: 0 valid, 1 invalid content, 2 unreadable file.
-
-    Exit 1 and 2 are kept apart so scripts can tell "fix the map" from "fix the path".
-    """
-    from eplb_graph.expert_map import ExpertMapError
-    from eplb_graph.placement import Placement
-
-    try:
-        if args.json is not None:
-            check_destination(args.json)
-    except UsageError as error:
-        return refuse("eplb-graph map validate", error)
-    report: dict = {"file": args.file, "valid": False, "error": None, "summary": None}
-    try:
-        placement = Placement.load_expert_map(args.file, num_logical=args.num_logical)
-    except ExpertMapError as error:
-        report["error"] = str(error)
-        sys.stdout.write(f"invalid: {error}\n")
-        status = 1
-    except OSError as error:
-        report["error"] = f"cannot read {args.file}: {error.strerror or error}"
-        sys.stderr.write(f"eplb-graph map validate: {report['error']}\n")
-        status = 2
-    else:
-        report["valid"] = True
-        report["summary"] = placement.summary()
-        sys.stdout.write(f"valid: {args.file}\n")
-        width = max(len(key) for key in report["summary"])
-        for key, value in report["summary"].items():
-            shown = json.dumps(value) if isinstance(value, dict) else value
-            sys.stdout.write(f"  {key:<{width}}  {shown}\n")
-        status = 0
-    return _write_json("eplb-graph map validate", args.json, _json_text(report)) or status
 
 
 def _audit(args: argparse.Namespace) -> int:
@@ -136,12 +113,27 @@ def _audit(args: argparse.Namespace) -> int:
     return 0 if report.clean else 1
 
 
+def package_version() -> str:
+    """The installed distribution's version; the package's own in a bare source tree."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("eplb-graph")
+    except metadata.PackageNotFoundError:
+        import eplb_graph
+
+        return getattr(eplb_graph, "__version__", "unknown")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineArgumentParser(
         prog="eplb-graph",
         description="Graph-capture-first Expert Parallelism Load Balancer for MoE inference.",
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="log at INFO level (every rank's logs too)"
+    )
+    parser.add_argument("--version", action="version", version=f"eplb-graph {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     info = commands.add_parser("info", help="show the op library's kernels and graph modes")
     info.add_argument(
@@ -150,24 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     info.set_defaults(handler=_info)
 
-    map_parser = commands.add_parser("map", help="expert-map JSON files (vllm-ascend schema)")
-    map_commands = map_parser.add_subparsers(dest="map_command", required=True)
-    validate = map_commands.add_parser(
-        "validate",
-        help="check an expert map; exit 0 valid, 1 invalid, 2 usage or I/O error",
-        description="Check an expert-map file and print a summary (layers, devices, slots, "
-        "redundancy, replica histogram). Exit status: 0 valid, 1 invalid, 2 usage or I/O error.",
-    )
-    validate.add_argument("file", metavar="FILE", help="expert-map JSON file")
-    validate.add_argument(
-        "--num-logical",
-        type=int_at_least(1),
-        metavar="N",
-        help="the model's logical expert count (default: max id + 1, which cannot detect "
-        "experts missing from every layer)",
-    )
-    validate.add_argument("--json", metavar="PATH", help="also write the report as JSON")
-    validate.set_defaults(handler=_map_validate)
+    from eplb_graph.map_command import add_parser as add_map_parser
+
+    add_map_parser(commands)
 
     from eplb_graph.audit.target import DEFAULT_TARGET
 

@@ -12,6 +12,7 @@ its report destinations first (:func:`check_destination`), reports a refusal as 
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import stat
@@ -24,18 +25,49 @@ from typing import NoReturn
 from eplb_graph.errors import EplbError
 
 USAGE_STATUS = 2
+logger = logging.getLogger("eplb_graph.cli")
 
 
 class UsageError(EplbError, ValueError):
     """A command-line value the command cannot use; the message names the option and the fix."""
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Ends every option's help with its default (what ``ArgumentDefaultsHelpFormatter`` does).
+
+    A user should not have to read the source to learn what an option does when left out.
+    ``None`` (no value: the option is off or computed), a flag's ``False`` and a help text that
+    states its default itself are left as they are.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            "(default" in text  # the help states its default itself
+            or default is None
+            or default is False
+            or default is argparse.SUPPRESS
+            or (
+                not action.option_strings
+                and action.nargs not in (argparse.OPTIONAL, argparse.ZERO_OR_MORE)
+            )
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 class OneLineArgumentParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose usage errors are one stderr line and exit status 2.
 
     Scripts and CI read the last line of stderr; argparse's default prints the whole usage block
-    first, which for ``simulate`` is a dozen lines. Subparsers inherit this class.
+    first, which for ``simulate`` is a dozen lines. Subparsers inherit this class, and with it
+    :class:`HelpFormatter`, so every ``--help`` shows the defaults.
     """
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(USAGE_STATUS, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -46,6 +78,35 @@ def refuse(command: str, error: BaseException | str) -> int:
     text = " ".join(str(error).split())  # one line, whatever the error's message holds
     sys.stderr.write(f"{command}: {text}\n")
     return USAGE_STATUS
+
+
+def warn_if_window_capped(window_size: int, step_interval: int) -> None:
+    """Warn that a window longer than the interval is cut to it (the run goes on).
+
+    Load recorded before the previous rearrangement belongs to a placement that no longer
+    exists, so the control plane plans on ``min(window, interval)`` steps; a user who asked for
+    more should learn that the option did not do what it says.
+    """
+    if window_size > step_interval:
+        logger.warning(
+            "--window-size %d exceeds --step-interval %d: each rearrangement uses only the %d "
+            "steps recorded since the previous one (older load describes a placement that no "
+            "longer exists); set --window-size <= --step-interval to silence this",
+            window_size,
+            step_interval,
+            step_interval,
+        )
+
+
+def policy_metavar() -> str:
+    """``{name,...}`` of the registered policies, for an option's usage and help.
+
+    Not argparse ``choices``: an unknown name is refused by the policy registry itself
+    (``UnknownPolicyError``, exit 2), whose message is the same wherever a policy is named.
+    """
+    from eplb_graph.policy import policy_names
+
+    return "{" + ",".join(policy_names()) + "}"
 
 
 def _integer(text: str) -> int:

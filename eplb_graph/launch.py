@@ -10,6 +10,10 @@ SIGHUP to the launcher stops every rank within seconds and removes the scratch d
 of leaving ranks orphaned (SIGTERM's default) or waiting for them to finish (SIGINT's default:
 Python joins child processes at exit). A rank also dies with the launcher if the launcher is
 killed outright (Linux), when no cleanup can run.
+
+Spawned ranks are fresh interpreters with no logging configured, so they would drop every INFO
+line a verbose launcher asked for: each rank logs at the launcher's level and format instead,
+its lines prefixed with its rank (:class:`LoggingSetup`).
 """
 
 from __future__ import annotations
@@ -236,12 +240,40 @@ def _start_resource_tracker() -> None:
             os.environ["PYTHONWARNINGS"] = previous
 
 
+class LoggingSetup:
+    """The launcher's root logging level and format, for its spawned ranks to log alike.
+
+    Only a launcher that configured logging (a root handler exists, as after ``logging.
+    basicConfig`` or ``eplb-graph -v``) is copied; otherwise the ranks keep Python's default
+    (warnings and above, bare), as a host that left logging alone expects.
+    """
+
+    def __init__(self, level: int | None, fmt: str | None) -> None:
+        self.level = level
+        self.fmt = fmt
+
+    @classmethod
+    def of_this_process(cls) -> LoggingSetup:
+        root = logging.getLogger()
+        if not root.handlers:
+            return cls(None, None)
+        formatter = root.handlers[0].formatter
+        fmt = formatter._fmt if formatter is not None else None
+        return cls(root.level, fmt or logging.BASIC_FORMAT)
+
+    def apply(self, rank: int) -> None:
+        if self.level is None:
+            return
+        logging.basicConfig(level=self.level, format=f"[rank {rank}] {self.fmt}", force=True)
+
+
 def _result_path(scratch: str, rank: int) -> str:
     return os.path.join(scratch, f"rank{rank}.pkl")
 
 
-def _spawned(rank, world_size, init_file, fn, args, scratch, timeout_s, launcher_pid):
+def _spawned(rank, world_size, init_file, fn, args, scratch, timeout_s, launcher_pid, logs):
     _die_with_launcher(launcher_pid)
+    logs.apply(rank)
     # The launcher decides when ranks stop (a terminal's Ctrl-C reaches the whole process
     # group); a rank interrupted on its own would only race the launcher's cleanup.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -349,11 +381,22 @@ def _run_ranks(
     with signals, tempfile.TemporaryDirectory(prefix="eplb-graph-") as scratch:
         init_file = os.path.join(scratch, "rendezvous")
         processes: list = []
+        logs = LoggingSetup.of_this_process()
         try:
             for rank in range(world_size):
                 process = context.Process(
                     target=_spawned,
-                    args=(rank, world_size, init_file, fn, args, scratch, timeout_s, os.getpid()),
+                    args=(
+                        rank,
+                        world_size,
+                        init_file,
+                        fn,
+                        args,
+                        scratch,
+                        timeout_s,
+                        os.getpid(),
+                        logs,
+                    ),
                     name=f"eplb-graph-rank{rank}",
                 )
                 processes.append(process)

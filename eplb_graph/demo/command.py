@@ -12,7 +12,9 @@ import sys
 from eplb_graph.cli_support import (
     check_destination,
     check_plotting,
+    policy_metavar,
     refuse,
+    warn_if_window_capped,
     write_file_atomically,
     write_text_atomically,
 )
@@ -38,34 +40,76 @@ def add_parser(commands) -> argparse.ArgumentParser:
             "largest output difference."
         ),
     )
-    parser.add_argument("--ranks", type=int, default=defaults.ranks)
-    parser.add_argument("--steps", type=int, default=defaults.steps)
-    parser.add_argument("--layers", type=int, default=defaults.layers)
-    parser.add_argument("--experts", type=int, default=defaults.experts)
-    parser.add_argument("--redundant", type=int, default=defaults.redundant)
-    parser.add_argument("--hidden", type=int, default=defaults.hidden)
-    parser.add_argument("--intermediate", type=int, default=defaults.intermediate)
-    parser.add_argument("--top-k", type=int, default=defaults.top_k)
-    parser.add_argument(
-        "--format", dest="weight_format", choices=FORMATS, default=defaults.weight_format
+    option = parser.add_argument
+    option(
+        "--ranks",
+        type=int,
+        default=defaults.ranks,
+        help="EP ranks to spawn (>= 2); under torchrun WORLD_SIZE is used instead",
     )
-    parser.add_argument("--policy", default=defaults.policy)
-    parser.add_argument("--window-size", type=int, default=defaults.window_size)
-    parser.add_argument("--step-interval", type=int, default=defaults.step_interval)
-    parser.add_argument("--layers-per-step", type=int, default=defaults.layers_per_step)
-    parser.add_argument(
+    option("--steps", type=int, default=defaults.steps, help="serving steps")
+    option("--layers", type=int, default=defaults.layers, help="MoE layers")
+    option(
+        "--experts",
+        type=int,
+        default=defaults.experts,
+        help="logical experts; experts + redundant must divide by ranks",
+    )
+    option("--redundant", type=int, default=defaults.redundant, help="redundant slots (>= 0)")
+    option("--hidden", type=int, default=defaults.hidden, help="hidden size")
+    option(
+        "--intermediate", type=int, default=defaults.intermediate, help="expert intermediate size"
+    )
+    option(
+        "--top-k", type=int, default=defaults.top_k, help="experts per token (at most --experts)"
+    )
+    option(
+        "--format",
+        dest="weight_format",
+        choices=FORMATS,
+        default=defaults.weight_format,
+        help="expert weight format: fp32 weights, or int8 weights with scales",
+    )
+    option(
+        "--policy",
+        metavar=policy_metavar(),
+        default=defaults.policy,
+        help="rebalance policy ('random' is a test policy)",
+    )
+    option(
+        "--window-size",
+        type=int,
+        default=defaults.window_size,
+        help="steps of load each plan sees (capped at --step-interval)",
+    )
+    option(
+        "--step-interval",
+        type=int,
+        default=defaults.step_interval,
+        help="steps between rearrangements",
+    )
+    option(
+        "--layers-per-step",
+        type=int,
+        default=defaults.layers_per_step,
+        help="layers committed at one agreed step",
+    )
+    option(
         "--backend",
         choices=COMPILE_BACKENDS,
         default=defaults.backend,
-        help="torch.compile backend",
+        help="torch.compile backend (fullgraph=True, dynamic=False)",
     )
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--json", metavar="PATH", help="write the report as JSON")
-    parser.add_argument(
-        "--plot", metavar="PNG", default="eplb-demo.png", help="plot path (default %(default)s)"
+    option("--seed", type=int, default=defaults.seed, help="seed of the weights and the traffic")
+    option("--json", metavar="PATH", help="write the report as JSON")
+    option(
+        "--plot",
+        metavar="PNG",
+        default="eplb-demo.png",
+        help="write balancedness over time and per-rank load as a PNG (needs matplotlib)",
     )
-    parser.add_argument("--no-plot", action="store_true", help="do not write the plot")
-    parser.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
+    option("--no-plot", action="store_true", help="do not write the plot")
+    option("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
     parser.set_defaults(handler=run)
     return parser
 
@@ -111,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         options = options_from_args(args, ranks=int(os.environ["WORLD_SIZE"]) if torchrun else None)
         if not torchrun or os.environ["RANK"] == "0":  # only rank 0 writes the report
             check_outputs(args)
+            warn_if_window_capped(options.window_size, options.step_interval)
     except EplbError as error:
         return refuse(COMMAND, error)
     report = _run_torchrun(options) if torchrun else _run_spawned(options)

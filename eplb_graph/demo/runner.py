@@ -230,6 +230,12 @@ def run_rank(rank: int, world_size: int, options: DemoOptions) -> dict | None:
     state.reset_load_()
     graphs_after_warmup, breaks_after_warmup = _graph_counters()
     warmup_seconds = time.perf_counter() - started
+    logger.info(
+        "demo rank %d: warm-up done in %.1f s; %d slots per layer here",
+        rank,
+        warmup_seconds,
+        model.slots_per_rank,
+    )
 
     series = StepSeries()
     every = max(1, options.steps // options.series_points)
@@ -250,6 +256,8 @@ def run_rank(rank: int, world_size: int, options: DemoOptions) -> dict | None:
 
             committed = runtime.begin_step(has_prefill=has_prefill, num_valid_tokens=count)
             commit_steps.extend((step, layer) for layer in committed)
+            if committed:
+                logger.info("demo rank %d: step %d committed layers %s", rank, step, committed)
             executed: list = []
             out = model.forward(hidden, executed=executed)
             baseline_state.set_step_inputs_(count, False)
@@ -280,6 +288,14 @@ def run_rank(rank: int, world_size: int, options: DemoOptions) -> dict | None:
     metrics = runtime.metrics()
     movement = metrics["movement"]
     graphs_end, breaks_end = _graph_counters()
+    logger.info(
+        "demo rank %d: %d rearrangements completed (%d layers), %d aborted, %d bytes received",
+        rank,
+        movement["rearrangements_completed"],
+        movement["layers_committed"],
+        movement["rearrangements_aborted"],
+        movement["bytes_received"],
+    )
     commit_seconds = runtime.installer.stats.commit_seconds
     pointers_stable = pointers == ([v.data_ptrs() for v in model.views], state.data_ptrs())
     # Cross-rank totals (one collective at the end, on the serving group).

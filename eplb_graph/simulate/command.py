@@ -14,7 +14,9 @@ from eplb_graph.cli_support import (
     check_plotting,
     float_between,
     int_at_least,
+    policy_metavar,
     refuse,
+    warn_if_window_capped,
     write_file_atomically,
     write_text_atomically,
 )
@@ -42,37 +44,85 @@ def add_parser(commands) -> argparse.ArgumentParser:
     )
     positive, non_negative = int_at_least(1), int_at_least(0)
     source = parser.add_argument_group("trace")
-    source.add_argument("--trace", metavar="NPZ", help="trace file (tools/gen_trace.py makes one)")
-    source.add_argument("--layers", type=positive, default=58)
-    source.add_argument("--experts", type=positive, default=256)
-    source.add_argument("--top-k", type=positive, default=8)
-    source.add_argument("--steps", type=positive, default=20_000)
-    source.add_argument("--shape", choices=["zipf", "lognormal"], default="zipf")
+    source.add_argument(
+        "--trace",
+        metavar="NPZ",
+        help="replay this trace file (tools/gen_trace.py makes one); the generator options "
+        "below are then ignored",
+    )
+    source.add_argument("--layers", type=positive, default=58, help="generated trace: MoE layers")
+    source.add_argument("--experts", type=positive, default=256, help="logical experts")
+    source.add_argument("--top-k", type=positive, default=8, help="picks per token")
+    source.add_argument("--steps", type=positive, default=20_000, help="steps")
+    source.add_argument(
+        "--shape",
+        choices=["zipf", "lognormal"],
+        default="zipf",
+        help="expert popularity (independent order per layer)",
+    )
     source.add_argument(
         "--skew", type=float_between(0.0), default=1.0, help="zipf exponent / lognormal sigma"
     )
-    source.add_argument("--drift-sigma", type=float_between(0.0), default=0.2)
-    source.add_argument("--segment-steps", type=positive, default=500)
-    source.add_argument("--prefill-fraction", type=float_between(0.0, 1.0), default=0.1)
-    source.add_argument("--seed", type=non_negative, default=0)
+    source.add_argument(
+        "--drift-sigma",
+        type=float_between(0.0),
+        default=0.2,
+        help="lognormal noise multiplied into popularity at each segment",
+    )
+    source.add_argument(
+        "--segment-steps", type=positive, default=500, help="steps per popularity segment"
+    )
+    source.add_argument(
+        "--prefill-fraction",
+        type=float_between(0.0, 1.0),
+        default=0.1,
+        help="share of prefill steps",
+    )
+    source.add_argument("--seed", type=non_negative, default=0, help="generator seed")
     control = parser.add_argument_group("EPLB")
     control.add_argument(
-        "--policy", action="append", help="policy to simulate (repeatable; default: default)"
+        "--policy",
+        action="append",
+        metavar=policy_metavar(),
+        help="policy to simulate; repeat it for one report per policy on the same trace "
+        "(default: default)",
     )
-    control.add_argument("--window-size", type=positive, default=1000)
-    control.add_argument("--step-interval", type=positive, default=3000)
-    control.add_argument("--num-redundant", type=non_negative, default=32)
-    control.add_argument("--ranks", type=positive, default=32)
-    control.add_argument("--nodes", type=positive, default=1)
-    control.add_argument("--groups", type=positive, default=1)
     control.add_argument(
-        "--load-collection-phase", choices=["all", "prefill", "decode"], default="all"
+        "--window-size",
+        type=positive,
+        default=1000,
+        help="steps of load each plan sees (capped at --step-interval, with a warning)",
+    )
+    control.add_argument(
+        "--step-interval", type=positive, default=3000, help="steps between rebalances"
+    )
+    control.add_argument("--num-redundant", type=non_negative, default=32, help="redundant slots")
+    control.add_argument(
+        "--ranks",
+        type=positive,
+        default=32,
+        help="EP ranks (experts + --num-redundant must divide by it)",
+    )
+    control.add_argument(
+        "--nodes", type=positive, default=1, help="nodes, for the default policy's hierarchy"
+    )
+    control.add_argument(
+        "--groups",
+        type=positive,
+        default=1,
+        help="expert groups, for the default policy's hierarchy",
+    )
+    control.add_argument(
+        "--load-collection-phase",
+        choices=["all", "prefill", "decode"],
+        default="all",
+        help="which steps' load the window records",
     )
     control.add_argument(
         "--expert-bytes",
         type=non_negative,
         default=44_040_192,
-        help="bytes of one expert's weights",
+        help="bytes of one expert's weights, to turn copies into bytes (DeepSeek-V3 at FP8)",
     )
     output = parser.add_argument_group("output")
     output.add_argument("--json", metavar="PATH", help="write the report as JSON")
@@ -176,6 +226,7 @@ def _prepare(args: argparse.Namespace):
         expert_bytes=args.expert_bytes,
     )
     check_cluster(trace, cluster, policies)
+    warn_if_window_capped(args.window_size, args.step_interval)
     settings = [
         ControlSettings(
             window_size=args.window_size,
