@@ -702,7 +702,13 @@ def test_invariant9_no_host_sync_in_reference_kernels(case):
 
 
 def test_op_handles_cover_every_op():
-    assert set(ops.op_handles()) == {"map_to_physical", "record_load", "map_and_record"}
+    assert set(ops.op_handles()) == {
+        "map_to_physical",
+        "record_load",
+        "map_and_record",
+        "local_experts",
+        "local_experts_w8a8",
+    }
 
 
 def test_oracle_hash_matches_known_values():

@@ -108,5 +108,8 @@ def test_opcheck_with_record_disabled_and_padding(op):
         assert set(result.values()) == {"SUCCESS"}, result
 
 
-def test_every_op_is_checked():
-    assert set(ops.op_handles()) == set(ARGS)
+def test_every_routing_op_is_checked():
+    """The expert-compute ops have their own opcheck grid in tests/test_local_experts.py."""
+    from eplb_graph.ops.registration import EXPERT_OPS
+
+    assert set(ops.op_handles()) - set(EXPERT_OPS) == set(ARGS)

@@ -1,4 +1,5 @@
-"""The routing ops ``torch.ops.eplb_graph.{map_to_physical, record_load, map_and_record}``.
+"""The ops ``torch.ops.eplb_graph.*``: routing (``map_to_physical``, ``record_load``,
+``map_and_record``) and expert compute (``local_experts``, ``local_experts_w8a8``).
 
 Importing this subpackage (``import eplb_graph`` does) defines the schemas, registers the fake
 kernels (for torch.compile and opcheck), the device-agnostic ATen reference kernels, the inductor
@@ -16,13 +17,21 @@ from eplb_graph.ops import inductor, native, npu
 from eplb_graph.ops.checks import INDEX_DTYPES
 from eplb_graph.ops.reference import (
     GOLDEN_HASH,
+    local_experts_ref,
+    local_experts_w8a8_ref,
     map_and_record_ref,
     map_to_physical_ref,
     record_load_ref,
     replica_hash,
 )
 from eplb_graph.ops.registration import op_handles
-from eplb_graph.ops.wrappers import map_and_record, map_to_physical, record_load
+from eplb_graph.ops.wrappers import (
+    local_experts,
+    local_experts_w8a8,
+    map_and_record,
+    map_to_physical,
+    record_load,
+)
 
 native.install()
 inductor.install()
@@ -31,6 +40,10 @@ npu.install()
 __all__ = [
     "GOLDEN_HASH",
     "INDEX_DTYPES",
+    "local_experts",
+    "local_experts_ref",
+    "local_experts_w8a8",
+    "local_experts_w8a8_ref",
     "map_and_record",
     "map_and_record_ref",
     "map_to_physical",

@@ -220,3 +220,176 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int] | None:
     extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
     last = t.storage_offset() + extent
     return t.storage_offset() * t.element_size(), (last + 1) * t.element_size()
+
+
+# -- expert compute (local_experts, local_experts_w8a8) -------------------------------------------
+
+HIDDEN_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def check_local_experts_args(
+    hidden: torch.Tensor,
+    slots: torch.Tensor,
+    topk_weights: torch.Tensor,
+    slot_to_local: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    stats: torch.Tensor,
+    num_valid_tokens: torch.Tensor,
+) -> None:
+    """Validate ``local_experts`` inputs: hidden [T, H], slots/weights [T, K], w13 [E, 2I, H],
+    w2 [E, H, I] in hidden's dtype, stats [2] int64 (written), num_valid_tokens 0-d integer."""
+    op = "local_experts"
+    _check_expert_routing(op, hidden, slots, topk_weights, slot_to_local)
+    _check(
+        w13.dtype == hidden.dtype,
+        f"{op}: w13 should have hidden's dtype {hidden.dtype}, got {w13.dtype}",
+    )
+    _check(
+        w2.dtype == hidden.dtype,
+        f"{op}: w2 should have hidden's dtype {hidden.dtype}, got {w2.dtype}",
+    )
+    _check_expert_weights(op, hidden, w13, w2)
+    _check_expert_stats(op, stats, num_valid_tokens)
+    tensors = {
+        "hidden": hidden,
+        "slots": slots,
+        "topk_weights": topk_weights,
+        "slot_to_local": slot_to_local,
+        "w13": w13,
+        "w2": w2,
+        "num_valid_tokens": num_valid_tokens,
+    }
+    _check_same_device(op, stats=stats, **tensors)
+    _check_stats_is_private(stats, tensors)
+
+
+def check_local_experts_w8a8_args(
+    hidden: torch.Tensor,
+    slots: torch.Tensor,
+    topk_weights: torch.Tensor,
+    slot_to_local: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    stats: torch.Tensor,
+    num_valid_tokens: torch.Tensor,
+) -> None:
+    """Validate ``local_experts_w8a8`` inputs: as :func:`check_local_experts_args`, with int8
+    weights and float32 per-output-channel scales w13_scale [E, 2I], w2_scale [E, H]."""
+    op = "local_experts_w8a8"
+    _check_expert_routing(op, hidden, slots, topk_weights, slot_to_local)
+    _check(w13.dtype == torch.int8, f"{op}: w13 should be int8, got {w13.dtype}")
+    _check(w2.dtype == torch.int8, f"{op}: w2 should be int8, got {w2.dtype}")
+    _check_expert_weights(op, hidden, w13, w2)
+    for name, scale, rows in (
+        ("w13_scale", w13_scale, w13.shape[1]),
+        ("w2_scale", w2_scale, w2.shape[1]),
+    ):
+        _check(scale.dtype == torch.float32, f"{op}: {name} should be float32, got {scale.dtype}")
+        expected = [w13.shape[0], rows]
+        _check(
+            list(scale.shape) == expected,
+            f"{op}: {name} should have shape {expected}, got {list(scale.shape)}",
+        )
+    _check_expert_stats(op, stats, num_valid_tokens)
+    tensors = {
+        "hidden": hidden,
+        "slots": slots,
+        "topk_weights": topk_weights,
+        "slot_to_local": slot_to_local,
+        "w13": w13,
+        "w2": w2,
+        "w13_scale": w13_scale,
+        "w2_scale": w2_scale,
+        "num_valid_tokens": num_valid_tokens,
+    }
+    _check_same_device(op, stats=stats, **tensors)
+    _check_stats_is_private(stats, tensors)
+
+
+def _check_expert_routing(
+    op: str,
+    hidden: torch.Tensor,
+    slots: torch.Tensor,
+    topk_weights: torch.Tensor,
+    slot_to_local: torch.Tensor,
+) -> None:
+    _check(hidden.dim() == 2, f"{op}: hidden should be a 2d tensor [T, H], got {hidden.dim()}D")
+    _check(
+        hidden.dtype in HIDDEN_DTYPES,
+        f"{op}: hidden should be float32 or bfloat16, got {hidden.dtype}",
+    )
+    _check(slots.dim() == 2, f"{op}: slots should be a 2d tensor [T, K], got {slots.dim()}D")
+    _check(slots.dtype in INDEX_DTYPES, f"{op}: slots should be int32 or int64, got {slots.dtype}")
+    _check(
+        slots.shape[0] == hidden.shape[0],
+        f"{op}: slots has {slots.shape[0]} rows but hidden has {hidden.shape[0]}",
+    )
+    _check(
+        list(topk_weights.shape) == list(slots.shape),
+        f"{op}: topk_weights should have slots' shape {list(slots.shape)}, "
+        f"got {list(topk_weights.shape)}",
+    )
+    _check(
+        topk_weights.dtype in (hidden.dtype, torch.float32),
+        f"{op}: topk_weights should be float32 or hidden's dtype {hidden.dtype}, "
+        f"got {topk_weights.dtype}",
+    )
+    _check(
+        slot_to_local.dim() == 1,
+        f"{op}: slot_to_local should be a 1d tensor [P], got {slot_to_local.dim()}D",
+    )
+    _check(
+        slot_to_local.dtype in INDEX_DTYPES,
+        f"{op}: slot_to_local should be int32 or int64, got {slot_to_local.dtype}",
+    )
+
+
+def _check_expert_weights(
+    op: str, hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+) -> None:
+    _check(w13.dim() == 3, f"{op}: w13 should be a 3d tensor [E, 2I, H], got {w13.dim()}D")
+    _check(w2.dim() == 3, f"{op}: w2 should be a 3d tensor [E, H, I], got {w2.dim()}D")
+    _check(
+        w13.shape[1] % 2 == 0,
+        f"{op}: w13 should stack gate and up rows (an even dim 1), got {w13.shape[1]}",
+    )
+    expected = [w13.shape[0], hidden.shape[1], w13.shape[1] // 2]
+    _check(
+        w13.shape[2] == hidden.shape[1],
+        f"{op}: w13 should have shape [E, 2I, {hidden.shape[1]}] (hidden's H), "
+        f"got {list(w13.shape)}",
+    )
+    _check(
+        list(w2.shape) == expected,
+        f"{op}: w2 should have shape {expected} ([E, H, I] of w13 and hidden), "
+        f"got {list(w2.shape)}",
+    )
+
+
+def _check_expert_stats(op: str, stats: torch.Tensor, num_valid_tokens: torch.Tensor) -> None:
+    _check(
+        stats.dim() == 1 and stats.shape[0] == 2,
+        f"{op}: stats should be a 1d tensor [2] (rows, ns), got {list(stats.shape)}",
+    )
+    _check(stats.dtype == torch.int64, f"{op}: stats should be int64, got {stats.dtype}")
+    _check(stats.stride(0) != 0, f"{op}: stats should be two memory cells, got a stride-0 view")
+    _check(
+        num_valid_tokens.dim() == 0,
+        f"{op}: num_valid_tokens should be a 0-d tensor, got {num_valid_tokens.dim()}D",
+    )
+    _check(
+        num_valid_tokens.dtype in _INTEGER_DTYPES,
+        f"{op}: num_valid_tokens should be an integer tensor, got {num_valid_tokens.dtype}",
+    )
+
+
+def _check_stats_is_private(stats: torch.Tensor, read_only: dict[str, torch.Tensor]) -> None:
+    for name, tensor in read_only.items():
+        _check(
+            not _overlaps(stats, tensor),
+            f"stats shares memory with {name}; the op writes stats while it reads {name}, "
+            f"so give stats its own storage (clone() it)",
+        )

@@ -1,4 +1,4 @@
-"""Build, cache and load the fused native CPU kernel (``custom_ops/csrc/eplb_graph_cpu.cpp``).
+"""Build, cache and load the native CPU kernels (``custom_ops/csrc/*.cpp``: routing, experts).
 
 Lifecycle:
 - ``import eplb_graph`` calls :func:`install`. If a build for this exact source and torch version
@@ -36,6 +36,8 @@ from eplb_graph.ops.registration import NAMESPACE, op_handles
 logger = logging.getLogger(__name__)
 
 _SOURCE_NAME = "eplb_graph_cpu.cpp"
+#: Compiled into the same library: the expert-compute kernels (local_experts*).
+_EXTRA_SOURCES = ("eplb_graph_experts_cpu.cpp",)
 _SOURCE_CANDIDATES = (
     Path(__file__).with_name("csrc") / _SOURCE_NAME,  # wheel install
     Path(__file__).resolve().parents[2] / "custom_ops" / "csrc" / _SOURCE_NAME,  # source tree
@@ -81,6 +83,12 @@ def source_file() -> Path:
     raise FileNotFoundError(f"the native kernel source is missing (searched {searched})")
 
 
+def source_files() -> list[Path]:
+    """Every C++ source of the library: the routing kernels' file, then the expert kernels'."""
+    main = source_file()
+    return [main] + [main.with_name(name) for name in _EXTRA_SOURCES]
+
+
 def _mode() -> str:
     mode = os.environ.get("EPLB_GRAPH_NATIVE", "auto").strip().lower()
     if mode not in ("auto", "off", "require"):
@@ -92,7 +100,8 @@ def build_directory() -> Path:
     """Cache folder keyed by source hash, torch version and ABI, so stale builds never load."""
     root = Path(os.environ.get("EPLB_GRAPH_CACHE", Path.home() / ".cache" / "eplb_graph"))
     key = hashlib.sha256()
-    key.update(source_file().read_bytes())
+    for source in source_files():
+        key.update(source.read_bytes())
     key.update(torch.__version__.encode())
     key.update(str(torch._C._GLIBCXX_USE_CXX11_ABI).encode())
     return root / f"native-{key.hexdigest()[:16]}"
@@ -116,7 +125,7 @@ def _build() -> Path:
     logger.info("building the native eplb_graph CPU kernel in %s (first use only)", directory)
     cpp_extension.load(
         name=_EXTENSION_NAME,
-        sources=[str(source_file())],
+        sources=[str(source) for source in source_files()],
         build_directory=str(directory),
         extra_cflags=["-O3"],
         is_python_module=False,

@@ -13,8 +13,15 @@ inductor decomposition traces:
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from eplb_graph.ops.checks import check_map_and_record_args, check_map_args, check_record_args
+from eplb_graph.ops.checks import (
+    check_local_experts_args,
+    check_local_experts_w8a8_args,
+    check_map_and_record_args,
+    check_map_args,
+    check_record_args,
+)
 
 #: Knuth's multiplicative hash constant (floor(2**32 / golden ratio)); upstream vLLM's rule.
 GOLDEN_HASH = 2654435769
@@ -140,3 +147,149 @@ def map_and_record_ref(
     physical = _map_to_physical(topk_ids, log2phy, replica_count, offset)
     _record_load(load, physical, num_valid_tokens, record_enabled)
     return physical
+
+
+# -- expert compute ------------------------------------------------------------------------------
+# The oracle computes every local expert densely over all T rows and keeps the rows routed to it
+# (a Python loop over the static E and K, no data-dependent shape): work proportional to E * T,
+# not to the local rows. It is the definition, not the fast path; the native CPU kernel is.
+
+
+def _local_rows(slots, slot_to_local, num_experts, num_valid_tokens):
+    """(computed [T, K] bool, local expert [T, K] int64): which (t, k) rows this rank computes.
+
+    Row (t, k) is computed iff ``t < num_valid_tokens``, ``0 <= slots[t, k] < P`` and
+    ``0 <= slot_to_local[slots[t, k]] < E``; everything else (slot -1, another rank's slot, a
+    padding row, an out-of-range value) contributes nothing.
+    """
+    num_rows, top_k = slots.shape
+    num_slots = slot_to_local.shape[0]
+    ids = slots.to(torch.int64)
+    rows = torch.arange(num_rows, device=slots.device, dtype=torch.int64)
+    valid = (rows < num_valid_tokens).unsqueeze(1) & (ids >= 0) & (ids < num_slots)
+    if num_slots == 0:
+        return valid, torch.full_like(ids, -1)
+    safe = torch.where(valid, ids, torch.zeros_like(ids)).reshape(-1)
+    local = slot_to_local.to(torch.int64).index_select(0, safe).reshape(num_rows, top_k)
+    computed = valid & (local >= 0) & (local < num_experts)
+    return computed, local
+
+
+def _swiglu(x, w13, w2):
+    """``W2 (silu(G x) * U x)`` for rows ``x [M, H]``; the product is formed in float32 and
+    rounded once to x's dtype (what the native kernel does)."""
+    gate_up = x @ w13.t()
+    inner = w13.shape[0] // 2
+    act = F.silu(gate_up[:, :inner].float()) * gate_up[:, inner:].float()
+    return act.to(x.dtype) @ w2.t()
+
+
+def quantize_rows(x):
+    """Per-row symmetric int8 quantization (values kept as float32 integers) and the scales."""
+    scale = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127.0
+    return torch.round(x / scale).clamp(-127, 127), scale
+
+
+def _swiglu_w8a8(x, w13, w2, w13_scale, w2_scale):
+    """The demo's W8A8 expert: activations quantized per row, int8 weights, fp32 scales; the
+    integer products are summed in float32, exact while |sum| < 2**24."""
+    x_q, x_scale = quantize_rows(x.float())
+    gate_up = (x_q @ w13.float().t()) * x_scale * w13_scale
+    gate, value = gate_up.chunk(2, dim=1)
+    inner_q, inner_scale = quantize_rows(F.silu(gate) * value)
+    return (inner_q @ w2.float().t()) * inner_scale * w2_scale
+
+
+def _combine_experts(hidden, slots, topk_weights, slot_to_local, stats, num_valid, woi, expert):
+    """out[t] = sum_k over computed rows of w_tk * expert_e(x_t) (or expert_e(w_tk x_t))."""
+    num_experts = expert.num_experts
+    computed, local = _local_rows(slots, slot_to_local, num_experts, num_valid)
+    weights = topk_weights.float()
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    for e in range(num_experts):
+        dense = None if woi else expert(e, hidden).float()
+        for k in range(slots.shape[1]):
+            mine = (computed[:, k] & (local[:, k] == e)).unsqueeze(1)
+            w = weights[:, k].unsqueeze(1)
+            if woi:
+                contribution = expert(e, (hidden.float() * w).to(hidden.dtype)).float()
+            else:
+                contribution = dense * w
+            out = out + torch.where(mine, contribution, torch.zeros_like(contribution))
+    # The reference cannot time itself without a host sync: it counts rows and adds 0 ns.
+    rows = computed.sum().to(torch.int64)
+    stats.add_(torch.stack([rows, torch.zeros_like(rows)]))
+    return out.to(hidden.dtype)
+
+
+class _Unquantized:
+    def __init__(self, w13, w2):
+        self.w13, self.w2, self.num_experts = w13, w2, w13.shape[0]
+
+    def __call__(self, e, x):
+        return _swiglu(x, self.w13[e], self.w2[e])
+
+
+class _W8A8:
+    def __init__(self, w13, w2, w13_scale, w2_scale):
+        self.w13, self.w2, self.num_experts = w13, w2, w13.shape[0]
+        self.w13_scale, self.w2_scale = w13_scale, w2_scale
+
+    def __call__(self, e, x):
+        return _swiglu_w8a8(x, self.w13[e], self.w2[e], self.w13_scale[e], self.w2_scale[e])
+
+
+def local_experts_ref(
+    hidden: torch.Tensor,
+    slots: torch.Tensor,
+    topk_weights: torch.Tensor,
+    slot_to_local: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    stats: torch.Tensor,
+    num_valid_tokens: torch.Tensor,
+    weight_on_input: bool = False,
+) -> torch.Tensor:
+    """The oracle of ``local_experts`` (semantics: :func:`eplb_graph.ops.local_experts`)."""
+    check_local_experts_args(
+        hidden, slots, topk_weights, slot_to_local, w13, w2, stats, num_valid_tokens
+    )
+    expert = _Unquantized(w13, w2)
+    return _combine_experts(
+        hidden, slots, topk_weights, slot_to_local, stats, num_valid_tokens, weight_on_input, expert
+    )
+
+
+def local_experts_w8a8_ref(
+    hidden: torch.Tensor,
+    slots: torch.Tensor,
+    topk_weights: torch.Tensor,
+    slot_to_local: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    stats: torch.Tensor,
+    num_valid_tokens: torch.Tensor,
+    weight_on_input: bool = False,
+) -> torch.Tensor:
+    """The oracle of ``local_experts_w8a8``.
+
+    Semantics: :func:`eplb_graph.ops.local_experts_w8a8`.
+    """
+    check_local_experts_w8a8_args(
+        hidden,
+        slots,
+        topk_weights,
+        slot_to_local,
+        w13,
+        w2,
+        w13_scale,
+        w2_scale,
+        stats,
+        num_valid_tokens,
+    )
+    expert = _W8A8(w13, w2, w13_scale, w2_scale)
+    return _combine_experts(
+        hidden, slots, topk_weights, slot_to_local, stats, num_valid_tokens, weight_on_input, expert
+    )

@@ -1,4 +1,4 @@
-"""Typed entry points for the routing ops. Each is a thin call into ``torch.ops.eplb_graph``.
+"""Typed entry points for the routing and expert-compute ops: thin calls into ``torch.ops.eplb_graph``.
 
 These are what model code calls; torch.compile sees the underlying op (one node, no graph break)
 and captured device graphs replay its kernel. Every argument is a tensor, so changing a value
@@ -78,4 +78,92 @@ def map_and_record(
     """
     return _OPS.map_and_record.default(
         topk_ids, log2phy, replica_count, offset, load, num_valid_tokens, record_enabled
+    )
+
+
+def local_experts(
+    hidden: torch.Tensor,
+    slots: torch.Tensor,
+    topk_weights: torch.Tensor,
+    slot_to_local: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    stats: torch.Tensor,
+    num_valid_tokens: torch.Tensor,
+    weight_on_input: bool = False,
+) -> torch.Tensor:
+    """This rank's share of a SwiGLU MoE layer: only the (token, k) rows routed to local slots.
+
+    Why an op: expert parallelism only pays when a rank's work follows the placement. The output
+    shape is fixed (graph-safe) while the work inside is data dependent: the native CPU kernel
+    buckets the local rows by expert, runs two GEMMs per expert on just those rows and
+    scatter-adds them, so other ranks' rows, ``-1`` slots and padding rows cost nothing.
+
+    Args:
+        hidden: ``[T, H]`` float32 or bfloat16.
+        slots: ``[T, K]`` int32/int64 physical slot ids (``-1`` = no expert).
+        topk_weights: ``[T, K]`` combine weights, float32 or hidden's dtype.
+        slot_to_local: ``[P]`` int32/int64: the local expert row of slot p on this rank, ``-1``
+            when the slot lives on another rank.
+        w13: ``[E, 2I, H]`` gate rows then up rows, hidden's dtype. w2: ``[E, H, I]``.
+        stats: ``[2]`` int64, mutated: ``stats[0] +=`` rows computed, ``stats[1] +=`` ns spent
+            (CPU wall clock in the native kernel; the ATen reference adds 0 ns).
+        num_valid_tokens: 0-d integer; rows ``t >= num_valid_tokens`` are padding.
+        weight_on_input: scale the expert's input by ``w_tk`` (Llama-4) instead of its output.
+
+    Returns:
+        ``[T, H]`` in hidden's dtype, fully written (zero rows where nothing is local):
+        ``out[t] = sum_k w_tk * W2_e(silu(G_e x_t) * U_e x_t)`` over the computed rows, where
+        row (t, k) is computed iff ``t < num_valid_tokens``, ``0 <= slots[t, k] < P`` and
+        ``0 <= slot_to_local[slots[t, k]] < E`` (other values contribute nothing, no error).
+        The K-sum is accumulated in float32; bf16 rounds ``G x, U x``, the SwiGLU product and
+        ``W2 (...)`` to bf16 once each (GEMMs accumulate in fp32), then the sum once. A row's
+        result does not depend on which other rows share its expert (batch invariant).
+    """
+    return _OPS.local_experts.default(
+        hidden,
+        slots,
+        topk_weights,
+        slot_to_local,
+        w13,
+        w2,
+        stats,
+        num_valid_tokens,
+        weight_on_input,
+    )
+
+
+def local_experts_w8a8(
+    hidden: torch.Tensor,
+    slots: torch.Tensor,
+    topk_weights: torch.Tensor,
+    slot_to_local: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    stats: torch.Tensor,
+    num_valid_tokens: torch.Tensor,
+    weight_on_input: bool = False,
+) -> torch.Tensor:
+    """:func:`local_experts` for W8A8 weights: int8 ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` with
+    float32 per-output-channel scales ``w13_scale [E, 2I]``, ``w2_scale [E, H]``.
+
+    Each computed row is quantized per row (``scale = max|x| / 127``, round half to even,
+    clamp to +-127), multiplied by the int8 weights with float32 sums (exact while the integer
+    sum stays below 2**24), rescaled ``acc * x_scale * w_scale``; the SwiGLU output is
+    quantized the same way before ``w2``. This is the demo model's format.
+    """
+    return _OPS.local_experts_w8a8.default(
+        hidden,
+        slots,
+        topk_weights,
+        slot_to_local,
+        w13,
+        w2,
+        w13_scale,
+        w2_scale,
+        stats,
+        num_valid_tokens,
+        weight_on_input,
     )
