@@ -1,4 +1,4 @@
-"""Typed entry points for the routing and expert-compute ops: thin calls into ``torch.ops.eplb_graph``.
+"""Typed entry points for the routing and expert-compute ops (``torch.ops.eplb_graph``).
 
 These are what model code calls; torch.compile sees the underlying op (one node, no graph break)
 and captured device graphs replay its kernel. Every argument is a tensor, so changing a value
