@@ -47,6 +47,24 @@ def _assert_demo_healthy(report: dict) -> None:
     assert report["weights_exact"] is True
     assert report["addresses_stable"] is True
     assert report["aborted"] == 0
+    _assert_work_follows_placement(report)
+
+
+def _assert_work_follows_placement(report: dict) -> None:
+    """Each rank computed only its own slots' rows: both models did the same total work, split
+    by their placements, so EPLB on left the busiest rank fewer rows than EPLB off; and the
+    expert op timed itself on every rank."""
+    timing = report["step_time"]
+    on, off = timing["eplb"], timing["baseline"]
+    assert len(on["expert_rows_per_rank"]) == report["ranks"]
+    assert sum(on["expert_rows_per_rank"]) == sum(off["expert_rows_per_rank"]) > 0
+    assert max(on["expert_rows_per_rank"]) < max(off["expert_rows_per_rank"])
+    assert min(off["expert_rows_per_rank"]) < max(off["expert_rows_per_rank"])
+    for model in (on, off):
+        assert all(ms > 0 for ms in model["expert_ms_per_rank"])
+        assert 0 < model["balancedness_measured"] <= 1
+        assert model["step_ms"] > 0
+    assert timing["step_speedup"] > 0 and timing["expert_speedup"] > 0
 
 
 @pytest.mark.multiprocess

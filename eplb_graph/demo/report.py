@@ -25,6 +25,9 @@ def summary_table(report: dict) -> str:
         ("balancedness, EPLB off", (
             f"{report['balancedness_baseline']:.4f}  (same traffic, initial placement kept)"
         )),
+        ("step time, EPLB on / off", _step_row(report)),
+        ("busiest rank's expert time", _expert_row(report)),
+        ("balancedness measured", _measured_row(report)),
         ("rearrangements completed", (
             f"{report['rearrangements']} ({report['layers_committed']} layers committed)"
         )),
@@ -46,6 +49,51 @@ def summary_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _step_row(report: dict) -> str:
+    timing = report.get("step_time")
+    if not timing:
+        return "not measured"
+    return (
+        f"{timing['eplb']['step_ms']:.2f} / {timing['baseline']['step_ms']:.2f} ms  (median "
+        "forward of the slowest rank, dispatch and combine included)"
+    )
+
+
+def _expert_row(report: dict) -> str:
+    timing = report.get("step_time")
+    if not timing:
+        return "not measured"
+    return (
+        f"on {timing['eplb']['busiest_expert_ms']:.3f} ms, off "
+        f"{timing['baseline']['busiest_expert_ms']:.3f} ms per step  (median, the expert op's "
+        "own clock)"
+    )
+
+
+def _measured_row(report: dict) -> str:
+    timing = report.get("step_time")
+    if not timing:
+        return "not measured"
+    values = [timing[name]["balancedness_measured"] for name in ("eplb", "baseline")]
+    on, off = ("n/a" if v is None else f"{v:.4f}" for v in values)
+    return f"on {on}, off {off}  (mean / max over ranks of expert time)"
+
+
+def speed_effect(report: dict) -> str:
+    """What the measured times say: faster, not faster, or not measured."""
+    timing = report.get("step_time")
+    if not timing or timing.get("step_speedup") is None:
+        return "step time not measured"
+    step, expert = timing["step_speedup"], timing.get("expert_speedup")
+    expert_text = "" if expert is None else f", the busiest rank's expert time {expert:.2f}x"
+    if step >= 1.02:
+        return f"steps ran {step:.2f}x faster than EPLB off{expert_text}"
+    return (
+        f"steps were not faster than EPLB off ({step:.2f}x{expert_text}: at this model size "
+        "dispatch and combine, not experts, dominate a step)"
+    )
+
+
 def takeaway(report: dict) -> str:
     """One sentence: what EPLB changed in this run, and what it did not break."""
     on, off = report["balancedness_eplb"], report["balancedness_baseline"]
@@ -62,8 +110,8 @@ def takeaway(report: dict) -> str:
     exact = report["max_abs_diff"] == 0 and report["weights_exact"]
     outputs = "outputs identical to EPLB off" if exact else "OUTPUTS DIFFER from EPLB off"
     return (
-        f"Takeaway: {effect}; {report['recompiles']} recompiles, {report['graph_breaks']} graph "
-        f"breaks, {outputs}."
+        f"Takeaway: {effect}; {speed_effect(report)}; {report['recompiles']} recompiles, "
+        f"{report['graph_breaks']} graph breaks, {outputs}."
     )
 
 

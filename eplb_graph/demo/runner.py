@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from eplb_graph.control import ControlSettings
+from eplb_graph.demo.timing import StepTiming
 from eplb_graph.demo.traffic import DemoTraffic, TrafficSpec
 from eplb_graph.errors import EplbError
 from eplb_graph.models.ep_moe import (
@@ -243,6 +244,7 @@ def run_rank(rank: int, world_size: int, options: DemoOptions) -> dict | None:
     max_abs_diff = 0.0
     commit_steps: list[tuple[int, int]] = []
     per_rank = state.num_slots // world_size
+    timing = StepTiming(state, baseline_state)
     with ProgressBar(
         options.steps, "eplb-graph demo", enabled=options.progress and rank == 0
     ) as bar:
@@ -259,11 +261,16 @@ def run_rank(rank: int, world_size: int, options: DemoOptions) -> dict | None:
             if committed:
                 logger.info("demo rank %d: step %d committed layers %s", rank, step, committed)
             executed: list = []
+            on_started = time.perf_counter()
             out = model.forward(hidden, executed=executed)
+            on_seconds = time.perf_counter() - on_started
             baseline_state.set_step_inputs_(count, False)
             executed_off: list = []
+            off_started = time.perf_counter()
             out_off = baseline.forward(hidden, executed=executed_off)
+            off_seconds = time.perf_counter() - off_started
             runtime.end_step()
+            timing.add(on_seconds, off_seconds, state, baseline_state)
 
             if count:
                 diff = float((out[:count] - out_off[:count]).abs().max())
@@ -315,11 +322,13 @@ def run_rank(rank: int, world_size: int, options: DemoOptions) -> dict | None:
     summed = totals.clone()
     dist.all_reduce(summed, op=dist.ReduceOp.SUM)
     dist.all_reduce(totals, op=dist.ReduceOp.MAX)
+    step_time = timing.summary(world_size)  # collective: every rank calls it
     if rank != 0:
         return None
     return {
         "balancedness_eplb": sums["eplb"] / options.steps,
         "balancedness_baseline": sums["baseline"] / options.steps,
+        "step_time": step_time,
         "rearrangements": movement["rearrangements_completed"],
         "layers_committed": movement["layers_committed"],
         "bytes_moved": int(summed[0]),

@@ -5,9 +5,11 @@ One :class:`EpMoERank` per EP rank. Per layer:
 1. ``route`` (compiled, ``fullgraph=True``): router logits -> softmax -> top-k logical ids ->
    ``map_and_record`` (physical slots, executed load recorded, padding rows excluded);
 2. dispatch (eager, on the serving group): every rank all-gathers the tokens and their slots;
-3. ``experts`` (compiled): each rank computes the rows routed to *its* slots, reading the slot
-   weights through the same tensors its :class:`~eplb_graph.movement.views.ExpertWeightView`
-   moves, so a rearrangement really changes what the kernel reads;
+3. ``experts`` (compiled): each rank computes only the rows routed to *its* slots
+   (``torch.ops.eplb_graph.local_experts``: other ranks' rows cost nothing, so a better placement
+   shortens the busiest rank's step), reading the slot weights through the same tensors its
+   :class:`~eplb_graph.movement.views.ExpertWeightView` moves, so a rearrangement really changes
+   what the kernel reads;
 4. combine (eager all-reduce, then compiled weighted sum): each token gets its K outputs back.
 
 The expert computation is independent per (token, k) row and exact (fp32; the W8A8 variant
@@ -21,10 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from eplb_graph.movement.views import UnquantizedView, W8A8View
-from eplb_graph.ops import map_and_record
+from eplb_graph.ops import local_experts, local_experts_w8a8, map_and_record
 from eplb_graph.state import EplbState
 
 FORMATS = ("unquantized", "w8a8")
@@ -114,38 +115,37 @@ def route(hidden, router, log2phy, replica_count, offset, load, num_valid, recor
     return slots, weights
 
 
-def experts_unquantized(tokens, local_slot, w13, w2):
-    """Rows ``[M, H]`` routed to local slots (``local_slot`` -1: not ours) -> ``[M, H]``."""
-    slot = local_slot.clamp_min(0)
-    up = w13.index_select(0, slot)  # [M, 2I, H]
-    down = w2.index_select(0, slot)  # [M, H, I]
-    hidden = torch.bmm(up, tokens.unsqueeze(2)).squeeze(2)  # [M, 2I]
-    gate, value = hidden.chunk(2, dim=1)
-    out = torch.bmm(down, (F.silu(gate) * value).unsqueeze(2)).squeeze(2)
-    return out * (local_slot >= 0).unsqueeze(1).to(out.dtype)
+def experts_unquantized(tokens, local_slot, local_rows, stats, w13, w2):
+    """Rows ``[M, H]`` routed to local slots (``local_slot [M]``, -1: not ours) -> ``[M, H]``.
 
-
-def _quantize_rows(x):
-    scale = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127.0
-    return torch.round(x / scale).clamp(-127, 127), scale
-
-
-def experts_w8a8(tokens, local_slot, w13, w2, w13_scale, w2_scale):
-    """W8A8: per-token dynamic activation quantization, int8 weights, per-channel scales.
-
-    Integer products are accumulated in fp32, exact for these sizes (|sum| < 2**24).
+    One (token, k) row per input row, weight 1: the op computes only this rank's rows (others
+    cost nothing and come back as exact zeros) and adds their rows and time to ``stats``.
+    ``local_rows [S]`` is the identity map of the rank's S slots.
     """
-    slot = local_slot.clamp_min(0)
-    x_q, x_scale = _quantize_rows(tokens)
-    up = w13.index_select(0, slot).to(torch.float32)
-    acc = torch.bmm(up, x_q.unsqueeze(2)).squeeze(2)
-    hidden = acc * x_scale * w13_scale.index_select(0, slot)
-    gate, value = hidden.chunk(2, dim=1)
-    inner_q, inner_scale = _quantize_rows(F.silu(gate) * value)
-    down = w2.index_select(0, slot).to(torch.float32)
-    acc = torch.bmm(down, inner_q.unsqueeze(2)).squeeze(2)
-    out = acc * inner_scale * w2_scale.index_select(0, slot)
-    return out * (local_slot >= 0).unsqueeze(1).to(out.dtype)
+    rows = tokens.shape[0]
+    ones = torch.ones(rows, 1, dtype=torch.float32, device=tokens.device)
+    valid = torch.full((), rows, dtype=torch.int64, device=tokens.device)
+    return local_experts(tokens, local_slot.unsqueeze(1), ones, local_rows, w13, w2, stats, valid)
+
+
+def experts_w8a8(tokens, local_slot, local_rows, stats, w13, w2, w13_scale, w2_scale):
+    """W8A8 (:func:`experts_unquantized`'s contract): per-row dynamic activation quantization,
+    int8 weights, per-channel scales; integer products summed in fp32, exact for these sizes."""
+    rows = tokens.shape[0]
+    ones = torch.ones(rows, 1, dtype=torch.float32, device=tokens.device)
+    valid = torch.full((), rows, dtype=torch.int64, device=tokens.device)
+    return local_experts_w8a8(
+        tokens,
+        local_slot.unsqueeze(1),
+        ones,
+        local_rows,
+        w13,
+        w2,
+        w13_scale,
+        w2_scale,
+        stats,
+        valid,
+    )
 
 
 def combine(hidden, expert_out, weights):
@@ -212,6 +212,7 @@ class EpMoERank:
         self.router, self.topic_directions = make_routers(config)
         per_rank = state.num_slots // world_size
         self.slots_per_rank = per_rank
+        self.local_rows = torch.arange(per_rank, dtype=torch.int64)  # slot -> row: identity
         phy2log = state.placement.phy2log
         self.slot_tensors = []
         self.views = []
@@ -262,7 +263,9 @@ class EpMoERank:
             local = torch.where(
                 (local >= 0) & (local < self.slots_per_rank), local, torch.full_like(local, -1)
             )
-            out = self.regions.experts(tokens, local, *self._expert_args(layer))
+            out = self.regions.experts(
+                tokens, local, self.local_rows, s.expert_stats[layer], *self._expert_args(layer)
+            )
             # Combine: exactly one rank produced each row; the others contribute exact zeros.
             dist.all_reduce(out, group=self.group)
             mine = out.view(self.world_size, num_rows, k, -1)[self.rank]
