@@ -133,11 +133,14 @@ class EplbState:
         self.replica_count = alloc(placement.replica_count(), index_dtype)
         self.phy2log = alloc(placement.phy2log, index_dtype)
         self.load = torch.zeros(num_layers, num_slots, dtype=load_dtype, device=device)
+        # Per-layer (rows, ns) the expert op adds itself (never reset in a graph; the host
+        # reads deltas): each rank's measured expert work and time per step.
+        self.expert_stats = torch.zeros(num_layers, 2, dtype=torch.int64, device=device)
         self.record_enabled = torch.ones((), dtype=torch.bool, device=device)
         self.num_valid_tokens = torch.zeros((), dtype=torch.int64, device=device)
         seed = rank if offset_seed is None else offset_seed
         self.offset = torch.full((), seed & _LOW32, dtype=torch.int64, device=device)
-        for tensor in self.graph_tensors().values():
+        for tensor in (*self.graph_tensors().values(), self.expert_stats):
             torch._dynamo.mark_static_address(tensor, guard=False)
 
     # -- introspection -------------------------------------------------------------------------
