@@ -8,6 +8,12 @@ so routing and logits are not degenerate.
 ``hot_experts`` skews the router: their gate rows are scaled up and every other row down, so
 most tokens pick hot experts. With the default placement and 2 EP ranks, experts 2, 3 and 4 all
 sit on rank 0 with no replica, the worst case EPLB should fix.
+
+``router_zipf`` (exponent ``s``; 0 = off) skews it by a Zipf-shaped popularity instead: the gate
+row of expert ``e`` is scaled by ``(e + 1) ** -s`` (normalised to mean 1), so low-numbered
+experts win the top-k most often and, under the default placement, the hot ones sit on rank 0.
+It is a shape of skew, not an exact Zipf distribution of choices. The size options make a
+checkpoint whose experts dominate a step (e.g. hidden 1024, 4 layers, 64 experts, top-8).
 """
 
 from __future__ import annotations
@@ -19,22 +25,35 @@ NUM_EXPERTS = 8
 
 
 def write_tiny_qwen3_moe(
-    path: str | Path, *, hot_experts: tuple[int, ...] = HOT_EXPERTS, seed: int = 0
+    path: str | Path,
+    *,
+    hot_experts: tuple[int, ...] = HOT_EXPERTS,
+    seed: int = 0,
+    router_zipf: float = 0.0,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_experts: int = NUM_EXPERTS,
+    top_k: int = 2,
+    moe_intermediate_size: int = 64,
 ) -> Path:
+    """Write the checkpoint folder ``path`` and return it.
+
+    ``router_zipf > 0`` replaces ``hot_experts``; the defaults write the tests' tiny model.
+    """
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # comes with the vllm extra
 
     config = Qwen3MoeConfig(
         vocab_size=512,
-        hidden_size=128,
+        hidden_size=hidden_size,
         intermediate_size=256,
-        moe_intermediate_size=64,
-        num_hidden_layers=2,
+        moe_intermediate_size=moe_intermediate_size,
+        num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=32,
-        num_experts=NUM_EXPERTS,
-        num_experts_per_tok=2,
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
         norm_topk_prob=True,
         decoder_sparse_step=1,
         mlp_only_layers=[],
@@ -50,8 +69,14 @@ def write_tiny_qwen3_moe(
         for parameter in model.parameters():
             if parameter.dim() >= 2:
                 parameter.normal_(0, 0.1)
-        if hot_experts:
-            scale = torch.full((NUM_EXPERTS, 1), 0.25)
+        if router_zipf > 0:
+            ranks = torch.arange(1, num_experts + 1, dtype=torch.float32)
+            scale = ranks.pow(-float(router_zipf)).unsqueeze(1)
+            scale *= num_experts / scale.sum()
+            for layer in model.model.layers:
+                layer.mlp.gate.weight.mul_(scale)
+        elif hot_experts:
+            scale = torch.full((num_experts, 1), 0.25)
             scale[list(hot_experts)] = 4.0
             for layer in model.model.layers:
                 layer.mlp.gate.weight.mul_(scale)

@@ -216,6 +216,13 @@ def _moe_model(runner: Any):
     return model
 
 
+def _bind_stats(model, state: EplbState) -> None:
+    """Each layer's expert op times itself into ``state.expert_stats[layer]`` (rows, ns)."""
+    for index, layer in enumerate(model.moe_layers):
+        kernel = layer.routed_experts.quant_method.moe_kernel.fused_experts
+        kernel.eplb_stats = state.expert_stats[index]
+
+
 def _weight_views(model) -> list:
     """The unquantized CPU kernels' live expert tensors, one view per MoE layer.
 
@@ -268,6 +275,7 @@ def attach(runner: Any) -> VllmEplbAdapter:
         layer.eplb_state.num_unpadded_tokens_tensors = [state.num_valid_tokens]
     routing.bind_offset(state.offset)
     views = _weight_views(model)
+    _bind_stats(model, state)
     groups = GroupRing(GROUP_RING_SIZE, timeout_s=GROUP_TIMEOUT_S, ranks=list(group.ranks))
     if settings.expert_map is not None:
         _move_to(settings, state, views, groups, ep_rank, settings.expert_map)

@@ -1,0 +1,160 @@
+"""One EP rank's expert work on vLLM's CPU kernels: only the rank's own (token, k) rows.
+
+vLLM's CPU expert parallelism routes every token on every rank and all-reduces partial sums.
+Its kernels (``cpu_fused_moe``, ...) compute every row they are given, so handing them all
+``T x K`` rows (other ranks' rows on local row 0 with weight 0) makes each rank compute the
+whole layer whatever the placement: a better placement saves nothing. And where the router
+weight is applied to the input (Llama 4), the kernel ignores ``topk_weights``, so weight 0 does
+not even exclude the row.
+
+``torch.ops.eplb_graph.vllm_local_experts`` fixes both inside one registered op: fixed output
+shape ``[T, H]`` (so it traces into vLLM's fullgraph compile as one node, with a fake kernel),
+data-dependent work inside. Its CPU implementation keeps the ``M`` (token, k) rows whose slot is
+local, gathers them into ``[M, H]`` with top-1 ids and weights, runs vLLM's own kernel on just
+those rows (reading the very tensors the plugin's weight views move: vLLM's prepacked layout),
+and adds them back into ``[T, H]``. It times itself into the layer's ``stats`` row
+(``EplbState.expert_stats[layer]``: rows, nanoseconds), which is how per-rank expert time is
+measured inside compiled graphs.
+
+The one place that knows how to call an experts class's kernel on compacted rows is
+:data:`KERNELS`: add an entry (``register_kernel``) for another vLLM CPU kernel (int8, ...) and
+pass its name as ``kernel``; the compaction, timing and combine are shared.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from eplb_graph.errors import EplbError
+
+SCHEMA = (
+    "vllm_local_experts(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor expert_map,"
+    " Tensor?[] weights, Tensor(a!) stats, str kernel, str activation, str isa,"
+    " bool weight_on_input=False) -> Tensor"
+)
+
+KernelCall = Callable[..., None]
+"""``(out [M, H], rows [M, H], weights list, topk_weights [M, 1], topk_ids [M, 1],
+activation, isa, weight_on_input) -> None``: vLLM's kernel on compacted rows, writing ``out``."""
+
+KERNELS: dict[str, KernelCall] = {}
+
+
+class LocalRowsError(EplbError, ValueError):
+    """Bad input to ``vllm_local_experts`` (unknown kernel, wrong shapes or dtypes)."""
+
+
+def register_kernel(name: str) -> Callable[[KernelCall], KernelCall]:
+    """Make ``name`` a ``kernel`` value of the op (one per vLLM CPU experts kernel)."""
+
+    def add(call: KernelCall) -> KernelCall:
+        KERNELS[name] = call
+        return call
+
+    return add
+
+
+@register_kernel("cpu_fused_moe")
+def _cpu_fused_moe(out, rows, weights, topk_weights, topk_ids, activation, isa, on_input):
+    """vLLM's unquantized CPU kernel (CPUUnquantizedExperts: isa "vec"; X86...: "amx")."""
+    from vllm._custom_ops import cpu_fused_moe
+
+    w13, w2, w13_bias, w2_bias = weights
+    cpu_fused_moe(
+        out, rows, w13, w2, w13_bias, w2_bias, topk_weights, topk_ids, activation, isa, on_input
+    )
+
+
+def _check(hidden, topk_ids, topk_weights, expert_map, stats, kernel) -> None:
+    if kernel not in KERNELS:
+        raise LocalRowsError(f"kernel {kernel!r} is not one of {sorted(KERNELS)}")
+    if hidden.dim() != 2:
+        raise LocalRowsError(f"hidden must be [T, H], got shape {tuple(hidden.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != hidden.shape[0]:
+        raise LocalRowsError(
+            f"topk_ids must be [T, K] with T={hidden.shape[0]}, got {tuple(topk_ids.shape)}"
+        )
+    if topk_weights.shape != topk_ids.shape:
+        raise LocalRowsError(
+            f"topk_weights {tuple(topk_weights.shape)} must match topk_ids {tuple(topk_ids.shape)}"
+        )
+    if expert_map.dim() != 1:
+        raise LocalRowsError(f"expert_map must be [P], got shape {tuple(expert_map.shape)}")
+    if stats.dtype != torch.int64 or tuple(stats.shape) != (2,):
+        raise LocalRowsError(f"stats must be int64 [2], got {stats.dtype} {tuple(stats.shape)}")
+
+
+def local_experts_cpu(
+    hidden, topk_ids, topk_weights, expert_map, weights, stats, kernel, activation, isa,
+    weight_on_input=False,
+):  # fmt: skip
+    """The CPU implementation: compact the local rows, run ``KERNELS[kernel]``, add back."""
+    started = time.perf_counter_ns()
+    _check(hidden, topk_ids, topk_weights, expert_map, stats, kernel)
+    num_tokens, top_k = topk_ids.shape
+    local = expert_map.index_select(0, topk_ids.reshape(-1).long())
+    flat = torch.nonzero(local >= 0).squeeze(1)  # (token, k) rows this rank holds, t-major
+    rows = flat.numel()
+    accumulate = torch.float32 if hidden.dtype != torch.float32 else hidden.dtype
+    out = torch.zeros(num_tokens, hidden.shape[1], dtype=accumulate, device=hidden.device)
+    if rows:
+        tokens = flat // top_k
+        partial = torch.empty(rows, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
+        KERNELS[kernel](
+            partial,
+            hidden.index_select(0, tokens).contiguous(),
+            list(weights),
+            topk_weights.reshape(-1).index_select(0, flat).view(rows, 1).contiguous(),
+            local.index_select(0, flat).to(topk_ids.dtype).view(rows, 1).contiguous(),
+            activation,
+            isa,
+            weight_on_input,
+        )
+        out.index_add_(0, tokens, partial.to(accumulate))
+    stats[0] += rows
+    stats[1] += time.perf_counter_ns() - started
+    return out.to(hidden.dtype)
+
+
+def _fake(
+    hidden, topk_ids, topk_weights, expert_map, weights, stats, kernel, activation, isa,
+    weight_on_input=False,
+):  # fmt: skip
+    return hidden.new_empty(hidden.shape)
+
+
+def _register() -> None:
+    namespace = torch.ops.eplb_graph
+    if hasattr(namespace, "vllm_local_experts"):
+        return
+    library = torch.library.Library("eplb_graph", "FRAGMENT")
+    library.define(SCHEMA)
+    library.impl("vllm_local_experts", local_experts_cpu, "CPU")
+    torch.library.register_fake("eplb_graph::vllm_local_experts", _fake, lib=library)
+    _LIBRARIES.append(library)  # dropping the library would unregister the op
+
+
+_LIBRARIES: list[torch.library.Library] = []
+_register()
+
+
+def vllm_local_experts(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    expert_map: torch.Tensor,
+    weights: list[torch.Tensor | None],
+    stats: torch.Tensor,
+    kernel: str = "cpu_fused_moe",
+    activation: str = "silu",
+    isa: str = "vec",
+    weight_on_input: bool = False,
+) -> torch.Tensor:
+    """``[T, H]``: the sum of this rank's (token, k) rows, other ranks' rows skipped."""
+    return torch.ops.eplb_graph.vllm_local_experts(
+        hidden, topk_ids, topk_weights, expert_map, weights, stats, kernel, activation, isa,
+        weight_on_input,
+    )  # fmt: skip
