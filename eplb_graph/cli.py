@@ -174,7 +174,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_simulate_parser(commands)
     add_demo_parser(commands)
+    _accept_verbose_anywhere(commands)
     return parser
+
+
+def _accept_verbose_anywhere(commands: argparse._SubParsersAction) -> None:
+    """Let ``-v`` follow the subcommand too (``eplb-graph info -v``), at every level.
+
+    ``SUPPRESS`` as the default keeps a subcommand that was not given ``-v`` from resetting the
+    top-level flag to False.
+    """
+    for sub in commands.choices.values():
+        sub.add_argument(
+            "-v",
+            "--verbose",
+            action="store_true",
+            default=argparse.SUPPRESS,
+            help="log at INFO level (same as before the subcommand)",
+        )
+        for action in sub._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                _accept_verbose_anywhere(action)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
