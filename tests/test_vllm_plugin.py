@@ -187,6 +187,29 @@ def test_prometheus_collector_exports_every_rank_file(tmp_path):
     assert 'eplb_graph_placement_info{digest="abc",rank="1"} 1.0' in text
 
 
+def test_prometheus_exports_expert_time_and_measured_balancedness(tmp_path):
+    """The busiest rank is measured, not counted: mean / max of the ranks' median expert ms;
+    absent (not a misleading number) until every rank has a sample."""
+    pytest.importorskip("prometheus_client", reason="prometheus_client comes with the vllm extra")
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    registry = CollectorRegistry()
+    registry.register(MetricsFileCollector(str(tmp_path)))
+    for rank, p50 in ((0, 3.0), (1, None)):
+        RankMetricsFile(str(tmp_path), rank).update(
+            (rank,), lambda rank=rank, p50=p50: {"rank": rank, "expert_ms": {"p50": p50}}
+        )
+    text = generate_latest(registry).decode()
+    assert 'eplb_graph_expert_ms{rank="0"} 3.0' in text
+    assert "\neplb_graph_balancedness_measured " not in text  # rank 1 has no sample yet
+    RankMetricsFile(str(tmp_path), 1).update(
+        (9,), lambda: {"rank": 1, "expert_ms": {"count": 5, "p50": 1.0, "p99": 2.0}}
+    )
+    text = generate_latest(registry).decode()
+    assert 'eplb_graph_expert_ms{rank="1"} 1.0' in text
+    assert "\neplb_graph_balancedness_measured 0.6666" in text  # (3 + 1) / 2 / 3
+
+
 # -- against vLLM's own configuration objects ------------------------------------------------------
 
 

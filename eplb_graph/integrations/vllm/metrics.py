@@ -191,6 +191,7 @@ class MetricsFileCollector:
                 if document.get(key) is not None:
                     family.add_metric([str(document["rank"])], float(document[key]))
             yield family
+        yield from _expert_time_families(documents)
         info = InfoMetricFamily(
             "eplb_graph_placement", "Digest of the committed placement", labels=["rank"]
         )
@@ -199,6 +200,40 @@ class MetricsFileCollector:
                 [str(document["rank"])], {"digest": str(document.get("placement_digest"))}
             )
         yield info
+
+
+def _expert_time_families(documents: list[dict[str, Any]]):
+    """Per-rank median expert-op ms per step, and the measured balancedness across ranks
+    (mean / max of those medians: what the busiest rank costs a step, measured, not counted)."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    family = GaugeMetricFamily(
+        "eplb_graph_expert_ms",
+        "Median time per step in this rank's expert op (ms, the op's own clock)",
+        labels=["rank"],
+    )
+    medians = []
+    for document in documents:
+        median = (document.get("expert_ms") or {}).get("p50")
+        if median is not None:
+            family.add_metric([str(document["rank"])], float(median))
+            medians.append(float(median))
+    yield family
+    measured = GaugeMetricFamily(
+        "eplb_graph_balancedness_measured",
+        "Mean / max over ranks of the median expert ms per step (1 = every rank equally busy)",
+    )
+    value = measured_balancedness(medians, expected=len(documents))
+    if value is not None:
+        measured.add_metric([], value)
+    yield measured
+
+
+def measured_balancedness(per_rank_ms: list[float], expected: int) -> float | None:
+    """Mean / max of per-rank expert times; ``None`` until every rank has a sample."""
+    if not per_rank_ms or len(per_rank_ms) < expected or max(per_rank_ms) <= 0:
+        return None
+    return sum(per_rank_ms) / len(per_rank_ms) / max(per_rank_ms)
 
 
 _REGISTERED: set[str] = set()

@@ -88,6 +88,11 @@ class VllmEplbAdapter:
             "idle": deque(maxlen=STEP_TIMES_KEPT),
             "rearranging": deque(maxlen=STEP_TIMES_KEPT),
         }
+        # This rank's time in its expert op per step (the op's own clock, expert_stats ns), by
+        # placement version: what a better placement is for, measured where the work runs.
+        self._expert_ns_seen = int(self.state.expert_stats[:, 1].sum())
+        self._expert_seconds: deque[float] = deque(maxlen=STEP_TIMES_KEPT)
+        self._expert_by_version: dict[int, deque[float]] = {}
         self._digest = (-1, "")  # (placement version, digest), computed on this thread
         self._metrics = None
         if settings.metrics_path is not None:
@@ -128,11 +133,57 @@ class VllmEplbAdapter:
             kind = "rearranging" if self._step_busy else "idle"
             self._step_seconds[kind].append(ended - self._step_started)
             self._hook_seconds[kind].append(self._hook_started + ended - ending)
+            self._record_expert_time()
+        else:
+            self._expert_ns_seen = int(self.state.expert_stats[:, 1].sum())
         self._open = False
         self.steps += 1
         if self._metrics is not None:
             self._refresh_digest()
             self._metrics.notify(self.runtime.progress())
+
+    def _record_expert_time(self) -> None:
+        """This step's expert-op time: the delta of the op's accumulated ns (a CPU read)."""
+        total = int(self.state.expert_stats[:, 1].sum())
+        seconds = (total - self._expert_ns_seen) / 1e9
+        self._expert_ns_seen = total
+        self._expert_seconds.append(seconds)
+        version = self.state.placement_version
+        if version not in self._expert_by_version and len(self._expert_by_version) >= 2:
+            # Keep the initial placement's figures (the baseline) and the newest one's.
+            newest = max(self._expert_by_version)
+            self._expert_by_version = {
+                v: t for v, t in self._expert_by_version.items() if v in (0, newest)
+            }
+        self._expert_by_version.setdefault(version, deque(maxlen=STEP_TIMES_KEPT)).append(seconds)
+
+    def _expert_figures(self) -> dict[str, Any]:
+        """``expert_ms`` (recent steps) and ``payback`` for the metrics file.
+
+        payback: ``saved_ms`` = (median expert ms per step under the initial placement - under
+        the current one) x steps timed under the current one; ``cost_ms`` = the serving time
+        the steps that ran while a rearrangement was in flight took beyond the idle median;
+        ``net_ms`` = saved - cost. ``null`` until both sides have samples.
+        """
+        initial = self._expert_by_version.get(0)
+        version = self.state.placement_version
+        current = self._expert_by_version.get(version)
+        idle, busy = self._step_seconds["idle"], self._step_seconds["rearranging"]
+        payback: dict[str, Any] = {"saved_ms": None, "cost_ms": None, "net_ms": None}
+        if idle:
+            idle_median = sorted(idle)[len(idle) // 2]
+            payback["cost_ms"] = 1e3 * sum(max(0.0, t - idle_median) for t in busy)
+        if initial and current and version != 0:
+            before = sorted(initial)[len(initial) // 2]
+            after = sorted(current)[len(current) // 2]
+            payback["saved_ms"] = 1e3 * (before - after) * len(current)
+        if payback["saved_ms"] is not None and payback["cost_ms"] is not None:
+            payback["net_ms"] = payback["saved_ms"] - payback["cost_ms"]
+        return {
+            "expert_ms": _summary(list(self._expert_seconds)),
+            "expert_rows": int(self.state.expert_stats[:, 0].sum()),
+            "payback": payback,
+        }
 
     def _refresh_digest(self) -> None:
         """The digest of the committed placement, recomputed on the thread that commits."""
@@ -170,6 +221,7 @@ class VllmEplbAdapter:
             "eplb_hooks_ms": {
                 name: _summary(list(times)) for name, times in self._hook_seconds.items()
             },
+            **self._expert_figures(),
             "closed": self.closed,
         }
 
@@ -187,7 +239,7 @@ def _summary(seconds) -> dict[str, float | int]:
     """Count, median and 99th percentile of step times, in milliseconds."""
     ordered = sorted(seconds)
     if not ordered:
-        return {"count": 0}
+        return {"count": 0, "p50": None, "p99": None}
     return {
         "count": len(ordered),
         "p50": 1e3 * ordered[len(ordered) // 2],
