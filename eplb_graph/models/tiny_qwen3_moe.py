@@ -35,10 +35,13 @@ def write_tiny_qwen3_moe(
     num_experts: int = NUM_EXPERTS,
     top_k: int = 2,
     moe_intermediate_size: int = 64,
+    dtype: str = "float32",
 ) -> Path:
     """Write the checkpoint folder ``path`` and return it.
 
     ``router_zipf > 0`` replaces ``hot_experts``; the defaults write the tests' tiny model.
+    ``dtype`` (``float32`` or ``bfloat16``) is the saved weights' type (bf16 halves the files
+    of the benchmark's larger models).
     """
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # comes with the vllm extra
@@ -80,6 +83,10 @@ def write_tiny_qwen3_moe(
             scale[list(hot_experts)] = 4.0
             for layer in model.model.layers:
                 layer.mlp.gate.weight.mul_(scale)
+    if dtype == "bfloat16":
+        model = model.to(torch.bfloat16)
+    elif dtype != "float32":
+        raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
     path = Path(path)
     model.save_pretrained(path)
     return path

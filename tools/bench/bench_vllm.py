@@ -22,6 +22,11 @@ Each engine runs in a fresh process of this script (``--engine SPEC``), so vLLM'
 state never leaks between engines. ``--quick`` uses eager engines and fewer steps.
 
     python tools/bench/bench_vllm.py [--quick] [--json PATH]
+    python tools/bench/bench_vllm.py --benefit [--quick] [--json PATH]
+
+``--benefit`` measures what EPLB gains instead (tools/bench/vllm_benefit.py): decode throughput,
+TPOT, TTFT and the busiest rank's expert time with EPLB on against off, on a model whose experts
+dominate a step, with a Zipf-skewed router and a uniform one.
 """
 
 from __future__ import annotations
@@ -51,6 +56,11 @@ def engine_main(spec_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
 
     spec = json.loads(Path(spec_path).read_text())
+    if spec.get("kind") == "benefit":
+        from vllm_benefit import benefit_main
+
+        benefit_main(spec, out_path)
+        return
     engines = {name: LLM(model=spec["model"], **llm) for name, llm in spec["engines"].items()}
     prompts = [{"prompt_token_ids": prompt} for prompt in PROMPTS]
     sampling = SamplingParams(
@@ -200,10 +210,90 @@ def in_flight(root: Path, model: Path, args) -> dict:
     }
 
 
+BENEFIT_GOALS = {"skewed_decode": 1.25, "uniform_decode": 0.98, "measured_over_predicted": 0.8}
+
+
+def benefit(root: Path, args) -> dict:
+    """EPLB on against off on an experts-dominated model, skewed and uniform routers."""
+    from vllm_benefit import summarize
+
+    from eplb_graph.models.tiny_qwen3_moe import write_tiny_qwen3_moe
+
+    inter = 256 if args.quick else 512
+    tokens, calls = (16, 2) if args.quick else (32, 4)
+    report = {
+        "shape": {
+            "hidden": 1024, "layers": 4, "experts": 64, "top_k": 8, "moe_intermediate": inter,
+            "dtype": "bfloat16", "redundant": 8, "prompts": 16, "decode_tokens": tokens,
+            "zipf_exponent": 1.2,
+        },
+        "mode": "eager" if args.quick else "compiled",
+        "goals": BENEFIT_GOALS,
+    }  # fmt: skip
+    for router, exponent in (("skewed", 1.2), ("uniform", 0.0)):
+        model = write_tiny_qwen3_moe(
+            root / f"benefit-{router}",
+            hidden_size=1024,
+            num_layers=4,
+            num_experts=64,
+            top_k=8,
+            moe_intermediate_size=inter,
+            router_zipf=exponent,
+            hot_experts=(),
+            dtype="bfloat16",
+        )
+        metrics = {name: str(root / f"benefit-{router}-{name}") for name in ("off", "on")}
+
+        def engine(name: str, window: int, interval: int, metrics=metrics) -> dict:
+            llm = engine_kwargs(
+                eplb={
+                    "eplb_config": {
+                        "window_size": window,
+                        "step_interval": interval,
+                        "num_redundant_experts": 8,
+                    },
+                    "additional_config": {"eplb_graph": {"metrics_path": metrics[name]}},
+                },
+                eager=args.quick,
+            )
+            llm.update(dtype="bfloat16", max_num_seqs=16, max_num_batched_tokens=512)
+            return llm
+
+        spec = {
+            "kind": "benefit",
+            "model": str(model),
+            "engines": {"off": engine("off", 10**6, 10**6), "on": engine("on", 32, 64)},
+            "metrics": metrics,
+            "tokens": tokens,
+            "calls": calls,
+            "max_warmup_calls": 12,
+            "min_rearrangements": 1,
+        }
+        result = summarize(run_engine(root, f"benefit-{router}", spec), tokens)
+        report[router] = result
+        on, off = result["engines"]["on"], result["engines"]["off"]
+        print(
+            f"  {router}: decode {on['decode_tokens_per_s']:.1f} vs "
+            f"{off['decode_tokens_per_s']:.1f} tok/s ({result['decode_speedup']:.3f}x); busiest rank's expert ms "
+            f"{max(on['expert_ms_per_rank']):.2f} vs {max(off['expert_ms_per_rank']):.2f} "
+            f"(measured {result['expert_speedup_measured']}, counts predict "
+            f"{result['expert_speedup_predicted_by_counts']}); balancedness measured "
+            f"{on['balancedness_measured']} vs {off['balancedness_measured']}, counts "
+            f"{on['balancedness_counts']} vs {off['balancedness_counts']}; "
+            f"{on['rearrangements']} rearrangements"
+        )
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="eager engines, fewer steps")
     parser.add_argument("--json", type=Path, help="write the report here")
+    parser.add_argument(
+        "--benefit",
+        action="store_true",
+        help="EPLB on vs off on an experts-dominated, skewed model (and a uniform one)",
+    )
     parser.add_argument("--engine", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.engine:
@@ -211,6 +301,14 @@ def main() -> None:
         return
     from eplb_graph.models.tiny_qwen3_moe import write_tiny_qwen3_moe
 
+    if args.benefit:
+        with tempfile.TemporaryDirectory(prefix="bench-vllm-benefit-") as folder:
+            print("benefit: EPLB on against off, experts-dominated model:")
+            report = {"quick": args.quick, "loadavg_start": os.getloadavg()}
+            report["benefit"] = benefit(Path(folder), args)
+            report["loadavg_end"] = os.getloadavg()
+            write_report(args.json, report)
+        return
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as folder:
         root = Path(folder)
         model = write_tiny_qwen3_moe(root / "model")
