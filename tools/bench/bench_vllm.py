@@ -274,7 +274,8 @@ def benefit(root: Path, args) -> dict:
         on, off = result["engines"]["on"], result["engines"]["off"]
         print(
             f"  {router}: decode {on['decode_tokens_per_s']:.1f} vs "
-            f"{off['decode_tokens_per_s']:.1f} tok/s ({result['decode_speedup']:.3f}x); busiest rank's expert ms "
+            f"{off['decode_tokens_per_s']:.1f} tok/s ({result['decode_speedup']:.3f}x); "
+            f"busiest rank's expert ms "
             f"{max(on['expert_ms_per_rank']):.2f} vs {max(off['expert_ms_per_rank']):.2f} "
             f"(measured {result['expert_speedup_measured']}, counts predict "
             f"{result['expert_speedup_predicted_by_counts']}); balancedness measured "
