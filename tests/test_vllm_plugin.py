@@ -129,6 +129,25 @@ def test_a_changed_signature_is_reported_by_name(monkeypatch):
     assert PatchTarget("fake_vllm_module", "hook", ("topk_ids", "load")).problem() is None
 
 
+def test_llama4_fused_experts_expand_to_physical_slots_of_the_default_layout():
+    """Slot p holds expert p mod N at load time: row p of the expanded tensor is expert p mod N,
+    so vLLM's loader, indexing with a rank's physical slot ids, loads the expert each slot holds
+    (without it, slot 8 of 8 experts + 2 redundant raised IndexError)."""
+    from eplb_graph.integrations.vllm.llama4_loading import physical_rows
+
+    weight = torch.randn(8, 3, 5)
+    expanded = physical_rows(weight, 2)
+    assert expanded.shape == (10, 3, 5)
+    for slot in range(10):
+        assert torch.equal(expanded[slot], weight[slot % 8])
+    # Rank 1 of 2 holds slots 5..9: experts 5, 6, 7, 0, 1.
+    expert_map = torch.full((10,), -1)
+    expert_map[5:] = torch.arange(5)
+    local = (expert_map != -1).nonzero().flatten()
+    assert torch.equal(expanded[local], weight[[5, 6, 7, 0, 1]])
+    assert torch.equal(physical_rows(weight, 0), weight)
+
+
 # -- metrics files ---------------------------------------------------------------------------------
 
 

@@ -112,6 +112,19 @@ SET_EPLB_STATE = PatchTarget(
     "MixtureOfExperts.set_eplb_state",
     ("self", "expert_load_view", "logical_to_physical_map", "logical_replica_count"),
 )
+LLAMA4_LOAD_EXPERTS = PatchTarget(
+    "vllm.model_executor.models.llama4",
+    "Llama4Model.load_moe_expert_weights",
+    (
+        "self",
+        "name",
+        "loaded_weight",
+        "params_dict",
+        "loaded_params",
+        "expert_params_mapping",
+        "fused",
+    ),
+)
 TARGETS = (
     ROUTING_HOOK,
     CPU_EXPERTS_APPLY,
@@ -120,6 +133,7 @@ TARGETS = (
     RUNNER_EPLB_STEP,
     CREATE_ENGINE_CONFIG,
     SET_EPLB_STATE,
+    LLAMA4_LOAD_EXPERTS,
 )
 
 _PLATFORM_GATE_MODULE = "vllm.config.parallel"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 
-from eplb_graph.integrations.vllm import compat, expert_parallel, gate, routing
+from eplb_graph.integrations.vllm import compat, expert_parallel, gate, llama4_loading, routing
 from eplb_graph.integrations.vllm.options import PREFIX
 
 logger = logging.getLogger(__name__)
@@ -33,6 +33,7 @@ def install() -> None:
         gate.install()
         routing.install()
         expert_parallel.install()
+        llama4_loading.install()
         _install_runner_hooks()
     _install_engine_config_check(on_cpu)
     _installed = True
