@@ -51,6 +51,8 @@ def test_built_package_ships_the_source_inside_eplb_graph(tmp_path):
 
     shipped = built / "eplb_graph" / "ops" / "csrc" / "eplb_graph_cpu.cpp"
     assert shipped.read_bytes() == SOURCE.read_bytes()
+    experts = shipped.with_name("eplb_graph_experts_cpu.cpp")  # the expert kernels ship too
+    assert experts.read_bytes() == SOURCE.with_name(experts.name).read_bytes()
     assert not (built / "custom_ops").exists()  # no second top-level name in site-packages
 
     env = dict(os.environ, PYTHONPATH=str(built), EPLB_GRAPH_NATIVE="off")
