@@ -7,7 +7,12 @@ so routing and logits are not degenerate.
 
 ``hot_experts`` skews the router: their gate rows are scaled up and every other row down, so
 most tokens pick hot experts. With the default placement and 2 EP ranks, experts 2, 3 and 4 all
-sit on rank 0 with no replica, the worst case EPLB should fix.
+sit on rank 0 with no replica, the worst case EPLB should fix. ``zipf`` replaces that two-level
+skew with a graded one: the gate row of the expert ranked r (hot experts first, then the rest in
+id order) is scaled by ``4 (r + 1) ** -zipf`` (0 = no skew). It shapes the router's logits, so
+the executed load follows the ranking roughly, not an exact Zipf law.
+
+``eplb-graph checkpoint OUT`` and ``python -m eplb_graph.models.tiny_qwen3_moe OUT`` write one.
 """
 
 from __future__ import annotations
@@ -19,7 +24,11 @@ NUM_EXPERTS = 8
 
 
 def write_tiny_qwen3_moe(
-    path: str | Path, *, hot_experts: tuple[int, ...] = HOT_EXPERTS, seed: int = 0
+    path: str | Path,
+    *,
+    hot_experts: tuple[int, ...] = HOT_EXPERTS,
+    seed: int = 0,
+    zipf: float | None = None,
 ) -> Path:
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # comes with the vllm extra
@@ -50,7 +59,14 @@ def write_tiny_qwen3_moe(
         for parameter in model.parameters():
             if parameter.dim() >= 2:
                 parameter.normal_(0, 0.1)
-        if hot_experts:
+        if zipf is not None:
+            order = [*hot_experts, *(e for e in range(NUM_EXPERTS) if e not in hot_experts)]
+            scale = torch.empty((NUM_EXPERTS, 1))
+            for rank, expert in enumerate(order):
+                scale[expert] = 4.0 * (rank + 1) ** -float(zipf)
+            for layer in model.model.layers:
+                layer.mlp.gate.weight.mul_(scale)
+        elif hot_experts:
             scale = torch.full((NUM_EXPERTS, 1), 0.25)
             scale[list(hot_experts)] = 4.0
             for layer in model.model.layers:
@@ -58,3 +74,9 @@ def write_tiny_qwen3_moe(
     path = Path(path)
     model.save_pretrained(path)
     return path
+
+
+if __name__ == "__main__":
+    from eplb_graph.models.checkpoint_command import main
+
+    raise SystemExit(main())
