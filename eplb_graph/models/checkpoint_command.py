@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+
+from eplb_graph.models.tiny_qwen3_moe import write_tiny_qwen3_moe
 
 FAMILIES = ("qwen3_moe",)
 
@@ -46,11 +47,6 @@ def run(args: argparse.Namespace) -> int:
         sys.stderr.write(f"eplb-graph checkpoint: --zipf must be >= 0, got {args.zipf}\n")
         return 2
     try:
-        from eplb_graph.models.tiny_qwen3_moe import write_tiny_qwen3_moe
-    except ImportError as error:  # pragma: no cover - depends on the environment
-        sys.stderr.write(f"eplb-graph checkpoint: {error}; install the vllm extra\n")
-        return 2
-    try:
         path = write_tiny_qwen3_moe(args.out, seed=args.seed, zipf=args.zipf)
     except ImportError as error:
         sys.stderr.write(
@@ -62,13 +58,3 @@ def run(args: argparse.Namespace) -> int:
         return 2
     sys.stdout.write(f"wrote a tiny {args.family} checkpoint to {path}\n")
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m eplb_graph.models.tiny_qwen3_moe",
-        description="Write the tiny Qwen3-MoE checkpoint (same as `eplb-graph checkpoint`).",
-    )
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    return args.handler(args)

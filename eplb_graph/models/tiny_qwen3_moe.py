@@ -77,6 +77,14 @@ def write_tiny_qwen3_moe(
 
 
 if __name__ == "__main__":
-    from eplb_graph.models.checkpoint_command import main
+    import argparse
 
-    raise SystemExit(main())
+    _parser = argparse.ArgumentParser(
+        prog="python -m eplb_graph.models.tiny_qwen3_moe",
+        description="Write the tiny Qwen3-MoE checkpoint (`eplb-graph checkpoint OUT` does the "
+        "same, with a choice of router skew).",
+    )
+    _parser.add_argument("out", metavar="OUT", help="folder to write")
+    _parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    _args = _parser.parse_args()
+    write_tiny_qwen3_moe(_args.out, seed=_args.seed)

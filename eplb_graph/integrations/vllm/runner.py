@@ -345,12 +345,16 @@ def attach(runner: Any) -> VllmEplbAdapter:
     if adapter._metrics is not None:
         adapter._refresh_digest()
         adapter._metrics.file.update(runtime.progress(), adapter.snapshot, force=True)
-    from eplb_graph.cli import package_version
+    from importlib import metadata
 
+    try:
+        version = metadata.version("eplb-graph")
+    except metadata.PackageNotFoundError:
+        version = "(source tree)"
     logger.info(
         "eplb-graph %s attached on EP rank %d/%d: %d MoE layers, %d experts + %d redundant "
         "(%d slots per rank), policy %s, window %d / interval %d steps, %s, metrics %s",
-        package_version(),
+        version,
         ep_rank,
         ep_size,
         model.num_moe_layers,
