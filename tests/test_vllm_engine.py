@@ -270,7 +270,7 @@ def test_the_docs_server_command_serves_with_eplb_and_exports_prometheus_metrics
     log_path = root / "server.log"
     with open(log_path, "w") as log:
         server = subprocess.Popen(
-            ["bash", "-c", f"exec {command.replace(chr(92) + chr(10), ' ')}"],
+            ["bash", "-c", command.replace(chr(92) + chr(10), " ")],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,

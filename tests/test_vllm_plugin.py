@@ -378,3 +378,55 @@ def test_two_different_load_collection_phases_are_refused_naming_both(engine_arg
     message = str(info.value)
     assert "'decode'" in message and "'prefill'" in message
     assert "additional_config.eplb_config.load_collection_phase" in message
+
+
+def test_the_metrics_file_is_refreshed_while_serving_without_eplb_events(tmp_path):
+    """Steps served between windows reach the file within the refresh period (issue 19)."""
+    import time
+
+    from eplb_graph.integrations.vllm.metrics import BackgroundWriter
+
+    steps = [0]
+    file = RankMetricsFile(str(tmp_path), 0)
+    writer = BackgroundWriter(
+        file, lambda: {"rank": 0, "steps": steps[0]}, heartbeat=lambda: steps[0], refresh_s=0.05
+    )
+    try:
+        for expected in (1, 5):
+            steps[0] = expected  # served steps, no progress notified
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                if file.path.exists() and json.loads(file.path.read_text())["steps"] == expected:
+                    break
+                time.sleep(0.02)
+            assert json.loads(file.path.read_text())["steps"] == expected
+    finally:
+        writer.close((0,))
+
+
+def test_a_figure_without_samples_says_so():
+    from eplb_graph.integrations.vllm.runner import _summary
+
+    assert _summary([]) == {"count": 0, "p50": None, "p99": None}
+    assert _summary([0.001, 0.003])["count"] == 2
+
+
+def test_the_checkpoint_command_writes_a_servable_skewed_model(tmp_path):
+    """``eplb-graph checkpoint OUT --zipf S``: a Qwen3-MoE folder whose router follows the skew."""
+    pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from eplb_graph.cli import main
+
+    assert main(["checkpoint", str(tmp_path / "flat"), "--zipf", "0"]) == 0
+    assert main(["checkpoint", str(tmp_path / "zipf"), "--zipf", "1.5"]) == 0
+    config = json.loads((tmp_path / "zipf" / "config.json").read_text())
+    assert config["model_type"] == "qwen3_moe" and config["num_local_experts"] == 8
+    key = "model.layers.0.mlp.gate.weight"
+    flat = load_file(tmp_path / "flat" / "model.safetensors")[key]
+    skewed = load_file(tmp_path / "zipf" / "model.safetensors")[key]
+    ratio = skewed.norm(dim=1) / flat.norm(dim=1)  # same seed: only the skew differs
+    order = [2, 3, 4, 0, 1, 5, 6, 7]  # hot experts first
+    assert ratio[order].tolist() == sorted(ratio.tolist(), reverse=True)
+    assert float(ratio[2] / ratio[7]) == pytest.approx(8**1.5, rel=1e-4)
+    assert main(["checkpoint", str(tmp_path / "bad"), "--zipf", "-1"]) == 2

@@ -9,11 +9,15 @@ so routing and logits are not degenerate.
 most tokens pick hot experts. With the default placement and 2 EP ranks, experts 2, 3 and 4 all
 sit on rank 0 with no replica, the worst case EPLB should fix.
 
-``router_zipf`` (exponent ``s``; 0 = off) skews it by a Zipf-shaped popularity instead: the gate
-row of expert ``e`` is scaled by ``(e + 1) ** -s`` (normalised to mean 1), so low-numbered
-experts win the top-k most often and, under the default placement, the hot ones sit on rank 0.
-It is a shape of skew, not an exact Zipf distribution of choices. The size options make a
-checkpoint whose experts dominate a step (e.g. hidden 1024, 4 layers, 64 experts, top-8).
+``router_zipf`` (exponent ``s``) replaces that two-level skew with a graded, Zipf-shaped one: the
+gate row of the expert ranked ``r`` (``hot_experts`` first, then the rest in id order) is scaled
+by ``(r + 1) ** -s``, normalised to mean 1 (0 = no skew at all). With ``hot_experts=()`` the
+low-numbered experts are the hot ones and, under the default placement, sit on rank 0. It
+shapes the router's logits, so the executed load follows the ranking roughly, not an exact Zipf
+law. The size options make a checkpoint whose experts dominate a step (e.g. hidden 1024,
+4 layers, 64 experts, top-8).
+
+``eplb-graph checkpoint OUT`` and ``python -m eplb_graph.models.tiny_qwen3_moe OUT`` write one.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ def write_tiny_qwen3_moe(
     *,
     hot_experts: tuple[int, ...] = HOT_EXPERTS,
     seed: int = 0,
-    router_zipf: float = 0.0,
+    router_zipf: float | None = None,
     hidden_size: int = 128,
     num_layers: int = 2,
     num_experts: int = NUM_EXPERTS,
@@ -39,7 +43,7 @@ def write_tiny_qwen3_moe(
 ) -> Path:
     """Write the checkpoint folder ``path`` and return it.
 
-    ``router_zipf > 0`` replaces ``hot_experts``; the defaults write the tests' tiny model.
+    ``router_zipf`` (not None) replaces the two-level skew; the defaults write the tests' model.
     ``dtype`` (``float32`` or ``bfloat16``) is the saved weights' type (bf16 halves the files
     of the benchmark's larger models).
     """
@@ -72,9 +76,11 @@ def write_tiny_qwen3_moe(
         for parameter in model.parameters():
             if parameter.dim() >= 2:
                 parameter.normal_(0, 0.1)
-        if router_zipf > 0:
-            ranks = torch.arange(1, num_experts + 1, dtype=torch.float32)
-            scale = ranks.pow(-float(router_zipf)).unsqueeze(1)
+        if router_zipf is not None:
+            order = [*hot_experts, *(e for e in range(num_experts) if e not in hot_experts)]
+            scale = torch.empty((num_experts, 1))
+            for rank, expert in enumerate(order):
+                scale[expert] = (rank + 1) ** -float(router_zipf)
             scale *= num_experts / scale.sum()
             for layer in model.model.layers:
                 layer.mlp.gate.weight.mul_(scale)
@@ -90,3 +96,17 @@ def write_tiny_qwen3_moe(
     path = Path(path)
     model.save_pretrained(path)
     return path
+
+
+if __name__ == "__main__":
+    import argparse
+
+    _parser = argparse.ArgumentParser(
+        prog="python -m eplb_graph.models.tiny_qwen3_moe",
+        description="Write the tiny Qwen3-MoE checkpoint (`eplb-graph checkpoint OUT` does the "
+        "same, with a choice of router skew).",
+    )
+    _parser.add_argument("out", metavar="OUT", help="folder to write")
+    _parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    _args = _parser.parse_args()
+    write_tiny_qwen3_moe(_args.out, seed=_args.seed)

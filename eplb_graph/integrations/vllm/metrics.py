@@ -2,10 +2,11 @@
 
 Each worker keeps ``<metrics_path>/rank<r>.json`` current: it is rewritten (temp file + rename,
 so a reader never sees half a file) when a rearrangement starts, commits a layer or ends, when a
-window closes, and at shutdown. Offline engines with expert parallelism are torn down by a
-force-kill after a grace period, so "at shutdown" alone would lose the figures. The writes
-happen on a thread of their own (:class:`BackgroundWriter`): building and writing the document
-costs about a millisecond, which the serving step must not pay.
+window closes, every ``REFRESH_S`` seconds while steps are served, and at shutdown. Offline
+engines with expert parallelism are torn down by a force-kill after a grace period, so "at
+shutdown" alone would lose the figures. The writes happen on a thread of their own
+(:class:`BackgroundWriter`): building and writing the document costs about a millisecond,
+which the serving step must not pay.
 
 Under an OpenAI-compatible server, :class:`MetricsFileCollector` (registered in the API-server
 process, which serves ``/metrics``) re-reads the files at every scrape and exports them as
@@ -90,6 +91,10 @@ class RankMetricsFile:
         return True
 
 
+REFRESH_S = 2.0
+"""Longest a metrics file lags serving (steps, step times) between EPLB events."""
+
+
 class BackgroundWriter:
     """Rewrites a :class:`RankMetricsFile` on a daemon thread when told progress was made.
 
@@ -97,9 +102,17 @@ class BackgroundWriter:
     the writer builds the document (plain values read from the runtime) and writes it.
     """
 
-    def __init__(self, file: RankMetricsFile, document: Callable[[], dict[str, Any]]) -> None:
+    def __init__(
+        self,
+        file: RankMetricsFile,
+        document: Callable[[], dict[str, Any]],
+        heartbeat: Callable[[], object] | None = None,
+        refresh_s: float = REFRESH_S,
+    ) -> None:
         self.file = file
         self.document = document
+        self.heartbeat = heartbeat
+        self.refresh_s = refresh_s
         self._condition = threading.Condition()
         self._pending: tuple | None = None
         self._notified: tuple | None = None
@@ -127,10 +140,15 @@ class BackgroundWriter:
     def _run(self) -> None:
         while True:
             with self._condition:
-                self._condition.wait_for(lambda: self._pending is not None or self._stopped)
+                self._condition.wait_for(
+                    lambda: self._pending is not None or self._stopped,
+                    timeout=self.refresh_s if self.heartbeat is not None else None,
+                )
                 if self._stopped:
                     return
                 progress, self._pending = self._pending, None
+            if progress is None:  # the refresh period passed: rewrite if serving moved on
+                progress = ("heartbeat", self.heartbeat())
             try:
                 self.file.update(progress, self.document)
             except Exception as error:  # monitoring must never take serving down

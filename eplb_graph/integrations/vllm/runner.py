@@ -94,10 +94,13 @@ class VllmEplbAdapter:
         self._expert_seconds: deque[float] = deque(maxlen=STEP_TIMES_KEPT)
         self._expert_by_version: dict[int, deque[float]] = {}
         self._digest = (-1, "")  # (placement version, digest), computed on this thread
+        # (started, finished, layers committed, bytes received, aborted) at the last log line
+        self._seen: tuple[int, ...] = (0, 0, 0, 0, 0)
+        self._rearrangement_started = 0.0
         self._metrics = None
         if settings.metrics_path is not None:
             file = RankMetricsFile(settings.metrics_path, ep_rank)
-            self._metrics = BackgroundWriter(file, self.snapshot)
+            self._metrics = BackgroundWriter(file, self.snapshot, heartbeat=lambda: self.steps)
 
     # -- vLLM's call sites ---------------------------------------------------------------------
     def prepare_forward(self, model_config, num_tokens_unpadded, ubatch_slices=None) -> None:
@@ -125,7 +128,11 @@ class VllmEplbAdapter:
     # -- internals -------------------------------------------------------------------------------
     def _end_step(self) -> None:
         ending = time.perf_counter()
+        started_before = self.runtime.pipeline.stats.rearrangements_started
         self.runtime.end_step()
+        # Sync mode runs the whole rearrangement inside this end_step: that step rearranged.
+        if self.runtime.pipeline.stats.rearrangements_started != started_before:
+            self._step_busy = self._step_busy or not self.runtime.use_async
         # Dummy runs between real steps never call prepare_forward: make them record nothing.
         self.state.set_step_inputs_(0, False)
         if self.steps >= STEPS_NOT_TIMED:
@@ -138,6 +145,7 @@ class VllmEplbAdapter:
             self._expert_ns_seen = int(self.state.expert_stats[:, 1].sum())
         self._open = False
         self.steps += 1
+        self._log_rearrangement()
         if self._metrics is not None:
             self._refresh_digest()
             self._metrics.notify(self.runtime.progress())
@@ -185,6 +193,39 @@ class VllmEplbAdapter:
             "payback": payback,
         }
 
+    def _log_rearrangement(self) -> None:
+        """One INFO line per finished rearrangement (EP rank 0): layers, bytes, time, balancedness.
+
+        Reads plain counters only; the line is built only when a rearrangement started or ended.
+        """
+        stats = self.runtime.pipeline.stats
+        scheduler = self.runtime.scheduler
+        ended = (
+            scheduler.stats.rearrangements_finished if scheduler else stats.rearrangements_started
+        )
+        started = stats.rearrangements_started
+        if started != self._seen[0]:
+            self._rearrangement_started = self._step_started
+        if ended == self._seen[1]:
+            self._seen = (started, ended, *self._seen[2:])
+            return
+        layers = self.runtime.installer.stats.layers_committed
+        received = stats.bytes_received
+        if self.ep_rank == 0:
+            hotness = stats.last_hotness or {}
+            logger.info(
+                "eplb-graph rearrangement %d %s: %d layers committed, %.1f KiB received, %.0f ms, "
+                "balancedness %s under the old placement -> %s planned (last window's load)",
+                ended,
+                "aborted" if stats.rearrangements_aborted != self._seen[4] else "done",
+                layers - self._seen[2],
+                (received - self._seen[3]) / 1024,
+                1e3 * (time.perf_counter() - self._rearrangement_started),
+                _fmt(stats.last_window_balancedness),
+                _fmt(hotness.get("updated_balancedness")),
+            )
+        self._seen = (started, ended, layers, received, stats.rearrangements_aborted)
+
     def _refresh_digest(self) -> None:
         """The digest of the committed placement, recomputed on the thread that commits."""
         version, placement = self.state.committed_snapshot()
@@ -230,13 +271,25 @@ class VllmEplbAdapter:
             return
         self.runtime.close()
         self.closed = True
+        movement = self.runtime.metrics()["movement"]
+        logger.info(
+            "eplb-graph closing on EP rank %d: %d steps, %d rearrangements (%d aborted), "
+            "%d layers committed, metrics %s",
+            self.ep_rank,
+            self.steps,
+            movement["rearrangements_completed"],
+            movement["rearrangements_aborted"],
+            movement["layers_committed"],
+            self.settings.metrics_path or "off",
+        )
         if self._metrics is not None:
             self._refresh_digest()
             self._metrics.close(self.runtime.progress())
 
 
-def _summary(seconds) -> dict[str, float | int]:
-    """Count, median and 99th percentile of step times, in milliseconds."""
+def _summary(seconds) -> dict[str, float | int | None]:
+    """Count, median and 99th percentile of step times, in milliseconds (``None`` without
+    samples: no number is better than a misleading one)."""
     ordered = sorted(seconds)
     if not ordered:
         return {"count": 0, "p50": None, "p99": None}
@@ -245,6 +298,10 @@ def _summary(seconds) -> dict[str, float | int]:
         "p50": 1e3 * ordered[len(ordered) // 2],
         "p99": 1e3 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
     }
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
 
 
 def _has_prefill(runner: Any) -> bool:
@@ -348,15 +405,27 @@ def attach(runner: Any) -> VllmEplbAdapter:
     if adapter._metrics is not None:
         adapter._refresh_digest()
         adapter._metrics.file.update(runtime.progress(), adapter.snapshot, force=True)
+    from importlib import metadata
+
+    try:
+        version = metadata.version("eplb-graph")
+    except metadata.PackageNotFoundError:
+        version = "(source tree)"
     logger.info(
-        "eplb-graph EPLB on EP rank %d/%d: %d MoE layers, %d experts + %d redundant, policy %s, %s",
+        "eplb-graph %s attached on EP rank %d/%d: %d MoE layers, %d experts + %d redundant "
+        "(%d slots per rank), policy %s, window %d / interval %d steps, %s, metrics %s",
+        version,
         ep_rank,
         ep_size,
         model.num_moe_layers,
         model.num_logical_experts,
         model.num_redundant_experts,
+        placement.num_slots // ep_size,
         settings.control.policy,
+        settings.control.window_size,
+        settings.control.step_interval,
         "async" if settings.use_async else "sync",
+        settings.metrics_path or "off",
     )
     return adapter
 
