@@ -229,6 +229,23 @@ def test_prometheus_exports_expert_time_and_measured_balancedness(tmp_path):
     assert "\neplb_graph_balancedness_measured 0.6666" in text  # (3 + 1) / 2 / 3
 
 
+def test_a_second_metrics_directory_in_one_process_is_not_exported_twice(tmp_path, monkeypatch):
+    """Two engines with two metrics paths in one process: the registry would refuse the second
+    collector's identical series; the second directory is written, not exported, and no error."""
+    pytest.importorskip("prometheus_client", reason="prometheus_client comes with the vllm extra")
+    import prometheus_client
+
+    from eplb_graph.integrations.vllm import metrics
+
+    registry = prometheus_client.CollectorRegistry()
+    monkeypatch.setattr(prometheus_client, "REGISTRY", registry)
+    monkeypatch.setattr(metrics, "_REGISTERED", set())
+    assert metrics.register_prometheus_collector(str(tmp_path / "a")) is True
+    assert metrics.register_prometheus_collector(str(tmp_path / "a")) is True
+    assert metrics.register_prometheus_collector(str(tmp_path / "b")) is False
+    assert len(metrics._REGISTERED) == 1
+
+
 # -- against vLLM's own configuration objects ------------------------------------------------------
 
 

@@ -98,14 +98,17 @@ def run_engine(root: Path, name: str, spec: dict) -> dict:
     )
     started = time.perf_counter()
     with open(root / f"{name}.log", "w") as log:
-        subprocess.run(
+        done = subprocess.run(
             [sys.executable, __file__, "--engine", str(spec_path), str(out_path)],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
-            check=True,
             timeout=1800,
         )
+    if done.returncode != 0:  # the log lives in a temporary folder: show its end now
+        tail = (root / f"{name}.log").read_text(errors="replace").splitlines()[-40:]
+        print("\n".join(tail), file=sys.stderr)
+        raise RuntimeError(f"engine run {name!r} exited with {done.returncode}")
     result = json.loads(out_path.read_text())
     result["wall_seconds"] = time.perf_counter() - started
     return result

@@ -258,13 +258,26 @@ _REGISTERED: set[str] = set()
 
 
 def register_prometheus_collector(directory: str) -> bool:
-    """Export ``directory``'s rank files on this process's Prometheus registry (once)."""
+    """Export ``directory``'s rank files on this process's Prometheus registry (once).
+
+    One process exports one metrics directory: a second engine in the same process with another
+    ``metrics_path`` keeps its files, but its series would carry the same names and labels as
+    the first's (a registry refuses duplicates), so it is not exported and a warning says so.
+    """
     resolved = str(Path(directory).resolve())
     if resolved in _REGISTERED:
         return True
     try:
         from prometheus_client import REGISTRY
     except ImportError:
+        return False
+    if _REGISTERED:
+        logger.warning(
+            "eplb-graph: Prometheus already exports %s; %s is written but not exported (one "
+            "metrics directory per process)",
+            next(iter(_REGISTERED)),
+            resolved,
+        )
         return False
     REGISTRY.register(MetricsFileCollector(resolved))
     _REGISTERED.add(resolved)
