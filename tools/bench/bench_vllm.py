@@ -106,7 +106,7 @@ def run_engine(root: Path, name: str, spec: dict) -> dict:
             timeout=1800,
         )
     if done.returncode != 0:  # the log lives in a temporary folder: show its end now
-        tail = (root / f"{name}.log").read_text(errors="replace").splitlines()[-40:]
+        tail = (root / f"{name}.log").read_text(errors="replace").splitlines()[-150:]
         print("\n".join(tail), file=sys.stderr)
         raise RuntimeError(f"engine run {name!r} exited with {done.returncode}")
     result = json.loads(out_path.read_text())
