@@ -204,11 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_simulate_parser(commands)
     add_demo_parser(commands)
-    _accept_verbose_anywhere(commands)
 
     from eplb_graph.models.checkpoint_command import add_parser as add_checkpoint_parser
 
     add_checkpoint_parser(commands)
+    _accept_verbose_anywhere(commands)  # last: every subcommand takes -v after its name
     return parser
 
 

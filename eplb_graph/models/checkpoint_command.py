@@ -17,17 +17,18 @@ FAMILIES = ("qwen3_moe",)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", metavar="OUT", help="folder to write (config.json + weights)")
     parser.add_argument(
-        "--family", choices=FAMILIES, default="qwen3_moe", help="model family (default qwen3_moe)"
+        "--family", choices=FAMILIES, default="qwen3_moe", help="model family (default: qwen3_moe)"
     )
     parser.add_argument(
         "--zipf",
         type=float,
         default=None,
         metavar="S",
-        help="router skew: the expert ranked r gets gate scale 4 (r+1)^-S (0: none; default: "
-        "experts 2, 3 and 4 hot, the rest cold: the tests' worst case for the default placement)",
+        help="router skew: the expert ranked r (2, 3, 4 first) gets gate scale (r+1)^-S, "
+        "normalised to mean 1 (0: none; without it experts 2, 3 and 4 are hot and the rest cold, the tests' "
+        "worst case for the default placement)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    parser.add_argument("--seed", type=int, default=0, help="weight seed (default: 0)")
     parser.set_defaults(handler=run)
 
 
