@@ -25,8 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="S",
         help="router skew: the expert ranked r (2, 3, 4 first) gets gate scale (r+1)^-S, "
-        "normalised to mean 1 (0: none; without it experts 2, 3 and 4 are hot and the rest cold, the tests' "
-        "worst case for the default placement)",
+        "normalised to mean 1 (0: none; without it experts 2, 3 and 4 are hot and the rest "
+        "cold, the tests' worst case for the default placement)",
     )
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default: 0)")
     parser.set_defaults(handler=run)
