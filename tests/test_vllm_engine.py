@@ -224,6 +224,15 @@ def test_metrics_files_carry_the_documented_figures(engines):
         assert isinstance(rank["placement_digest"], str) and len(rank["placement_digest"]) == 16
         assert rank["steps"] >= MAX_TOKENS
         assert 0.0 < rank["balancedness"] <= 1.0
+        # Each rearrangement's payback: synchronous, so each one's cost is its own step's.
+        finished = [entry for entry in rank["paybacks"] if entry["finished"]]
+        assert finished, rank["paybacks"]
+        for entry in finished:
+            assert entry["in_flight_steps"] >= 1 and entry["cost_ms"] is not None, entry
+        text = DOCS.read_text()
+        table = text[text.index("| key | meaning |") :].split("\n\n")[0]
+        undocumented = [key for key in rank if f"`{key}`" not in table]
+        assert not undocumented, f"metrics keys missing from docs/vllm.md's table: {undocumented}"
 
 
 def _free_port() -> int:

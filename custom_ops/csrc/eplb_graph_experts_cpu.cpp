@@ -115,11 +115,6 @@ LocalRows collect(const at::Tensor& slots, const at::Tensor& slot_to_local, int6
   return collect_rows<int32_t, int32_t>(slots, slot_to_local, experts, valid);
 }
 
-// Per-row scratch of a SwiGLU expert: the expert input, the gate/up products, the activation.
-struct Scratch {
-  std::vector<float> x, inner;
-};
-
 // One unquantized row: y = W2 (silu(G x) * U x), every GEMM output rounded to the dtype.
 template <typename t>
 void swiglu_row(const t* x, const t* w13, const t* w2, int64_t hidden, int64_t inter, float* y,
@@ -233,11 +228,13 @@ at::Tensor unquantized(const at::Tensor& hidden_in, const at::Tensor& slots,
   return run(hidden, slots, weights, slot_to_local, w13.size(0), stats, num_valid_tokens,
              weight_on_input, [&](int64_t tok, int64_t k, float weight, float* y) {
                const int64_t e = local_of[slot_of[tok * top_k + k]];
-               std::vector<t> input(x_all + tok * width, x_all + (tok + 1) * width);
+               // Per-thread scratch, reused across rows and calls: no allocation per row.
+               thread_local std::vector<t> input, inner;
+               input.assign(x_all + tok * width, x_all + (tok + 1) * width);
                if (weight_on_input) {
                  for (auto& v : input) v = static_cast<t>(to_float(v) * weight);
                }
-               std::vector<t> inner(static_cast<size_t>(inter));
+               inner.resize(static_cast<size_t>(inter));
                swiglu_row<t>(input.data(), w13_all + e * 2 * inter * width,
                              w2_all + e * width * inter, width, inter, y, inner);
              });
@@ -286,12 +283,14 @@ at::Tensor local_experts_w8a8_cpu(const at::Tensor& hidden_in, const at::Tensor&
                        num_valid_tokens, weight_on_input,
                        [&](int64_t tok, int64_t k, float weight, float* y) {
                          const int64_t e = local_of[slot_of[tok * top_k + k]];
-                         std::vector<float> input(x_all + tok * width, x_all + (tok + 1) * width);
+                         // Per-thread scratch, reused across rows and calls.
+                         thread_local std::vector<float> input, xq, inner;
+                         input.assign(x_all + tok * width, x_all + (tok + 1) * width);
                          if (weight_on_input) {
                            for (auto& v : input) v *= weight;
                          }
-                         std::vector<float> xq(static_cast<size_t>(width));
-                         std::vector<float> inner(static_cast<size_t>(inter));
+                         xq.resize(static_cast<size_t>(width));
+                         inner.resize(static_cast<size_t>(inter));
                          w8a8_row(input.data(), w13_all + e * 2 * inter * width,
                                   w2_all + e * width * inter, s13_all + e * 2 * inter,
                                   s2_all + e * width, width, inter, y, xq, inner);

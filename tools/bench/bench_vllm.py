@@ -222,18 +222,21 @@ def benefit(root: Path, args) -> dict:
 
     from eplb_graph.models.tiny_qwen3_moe import write_tiny_qwen3_moe
 
-    inter = 256 if args.quick else 512
+    inter = args.intermediate or (256 if args.quick else 512)
+    prompts = args.prompts or 128
     tokens, calls = (16, 2) if args.quick else (32, 4)
     report = {
         "shape": {
             "hidden": 1024, "layers": 4, "experts": 64, "top_k": 8, "moe_intermediate": inter,
-            "dtype": "bfloat16", "redundant": 8, "prompts": 16, "decode_tokens": tokens,
+            "dtype": "bfloat16", "redundant": 8, "prompts": prompts, "decode_tokens": tokens,
             "zipf_exponent": 1.2,
         },
         "mode": "eager" if args.quick else "compiled",
         "goals": BENEFIT_GOALS,
     }  # fmt: skip
-    for router, exponent in (("skewed", 1.2), ("uniform", 0.0)):
+    routers = {"skewed": 1.2, "uniform": 0.0}
+    for router in args.routers.split(","):
+        exponent = routers[router]
         model = write_tiny_qwen3_moe(
             root / f"benefit-{router}",
             hidden_size=1024,
@@ -259,7 +262,9 @@ def benefit(root: Path, args) -> dict:
                 },
                 eager=args.quick,
             )
-            llm.update(dtype="bfloat16", max_num_seqs=16, max_num_batched_tokens=512)
+            llm.update(
+                dtype="bfloat16", max_num_seqs=prompts, max_num_batched_tokens=max(512, prompts)
+            )
             return llm
 
         spec = {
@@ -267,12 +272,13 @@ def benefit(root: Path, args) -> dict:
             "model": str(model),
             "engines": {"off": engine("off", 10**6, 10**6), "on": engine("on", 32, 64)},
             "metrics": metrics,
+            "prompts": prompts,
             "tokens": tokens,
             "calls": calls,
             "max_warmup_calls": 12,
             "min_rearrangements": 1,
         }
-        result = summarize(run_engine(root, f"benefit-{router}", spec), tokens)
+        result = summarize(run_engine(root, f"benefit-{router}", spec), tokens, prompts)
         report[router] = result
         on, off = result["engines"]["on"], result["engines"]["off"]
         print(
@@ -293,6 +299,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="eager engines, fewer steps")
     parser.add_argument("--json", type=Path, help="write the report here")
+    parser.add_argument(
+        "--prompts", type=int, help="--benefit: concurrent sequences (the decode batch)"
+    )
+    parser.add_argument(
+        "--intermediate", type=int, help="--benefit: the experts' intermediate size"
+    )
+    parser.add_argument(
+        "--routers", default="skewed,uniform", help="--benefit: which routers to run"
+    )
     parser.add_argument(
         "--benefit",
         action="store_true",

@@ -26,14 +26,13 @@ import statistics
 import time
 from pathlib import Path
 
-PROMPTS = 16
 PROMPT_TOKENS = 24
 
 
-def _prompts():
+def _prompts(count: int) -> list[dict]:
     return [
         {"prompt_token_ids": [(11 * i + 5 * j) % 500 + 3 for j in range(PROMPT_TOKENS)]}
-        for i in range(PROMPTS)
+        for i in range(count)
     ]
 
 
@@ -53,7 +52,7 @@ def benefit_main(spec: dict, out_path: str) -> None:
 
     engines = {name: LLM(model=spec["model"], **llm) for name, llm in spec["engines"].items()}
     folders = {name: Path(folder) for name, folder in spec["metrics"].items()}
-    prompts = _prompts()
+    prompts = _prompts(spec["prompts"])
     decode = SamplingParams(
         max_tokens=spec["tokens"], temperature=0, detokenize=False, ignore_eos=True
     )
@@ -85,7 +84,7 @@ def benefit_main(spec: dict, out_path: str) -> None:
     )
 
 
-def summarize(result: dict, tokens: int) -> dict:
+def summarize(result: dict, tokens: int, prompts: int) -> dict:
     """Per engine figures and the on/off ratios (see the module docstring)."""
     engines = {}
     for name, seconds in result["seconds"].items():
@@ -98,7 +97,7 @@ def summarize(result: dict, tokens: int) -> dict:
         steps = [a["step_ms"]["idle"] for a in after]
         busiest = max(expert) if expert else 0.0
         engines[name] = {
-            "decode_tokens_per_s": PROMPTS * tokens / statistics.median(seconds),
+            "decode_tokens_per_s": prompts * tokens / statistics.median(seconds),
             "tpot_ms": {"p50": steps[0].get("p50"), "p99": steps[0].get("p99")},
             "ttft_ms": 1e3 * statistics.median(result["ttft"][name]),
             "expert_ms_per_rank": expert,

@@ -31,6 +31,7 @@ from eplb_graph.integrations.vllm.metrics import (
     compile_counters,
     placement_digest,
 )
+from eplb_graph.integrations.vllm.payback import PaybackLedger
 from eplb_graph.integrations.vllm.settings import VllmEplbSettings, eplb_settings
 from eplb_graph.movement.transport import GroupRing
 from eplb_graph.movement.views import make_expert_view
@@ -93,6 +94,8 @@ class VllmEplbAdapter:
         self._expert_ns_seen = int(self.state.expert_stats[:, 1].sum())
         self._expert_seconds: deque[float] = deque(maxlen=STEP_TIMES_KEPT)
         self._expert_by_version: dict[int, deque[float]] = {}
+        self._payback = PaybackLedger()
+        self._finished_seen = 0  # rearrangements finished at the last timed step
         self._digest = (-1, "")  # (placement version, digest), computed on this thread
         # (started, finished, layers committed, bytes received, aborted) at the last log line
         self._seen: tuple[int, ...] = (0, 0, 0, 0, 0)
@@ -140,9 +143,18 @@ class VllmEplbAdapter:
             kind = "rearranging" if self._step_busy else "idle"
             self._step_seconds[kind].append(ended - self._step_started)
             self._hook_seconds[kind].append(self._hook_started + ended - ending)
-            self._record_expert_time()
+            expert_seconds = self._record_expert_time()
+            finished = self._finished()
+            self._payback.step(
+                ended - self._step_started,
+                expert_seconds,
+                self._step_busy,
+                finished - self._finished_seen,
+            )
+            self._finished_seen = finished
         else:
             self._expert_ns_seen = int(self.state.expert_stats[:, 1].sum())
+            self._finished_seen = self._finished()
         self._open = False
         self.steps += 1
         self._log_rearrangement()
@@ -150,7 +162,14 @@ class VllmEplbAdapter:
             self._refresh_digest()
             self._metrics.notify(self.runtime.progress())
 
-    def _record_expert_time(self) -> None:
+    def _finished(self) -> int:
+        """Rearrangements finished so far (installed everywhere, or aborted)."""
+        scheduler = self.runtime.scheduler
+        if scheduler is not None:
+            return scheduler.stats.rearrangements_finished
+        return self.runtime.pipeline.stats.rearrangements_started
+
+    def _record_expert_time(self) -> float:
         """This step's expert-op time: the delta of the op's accumulated ns (a CPU read)."""
         total = int(self.state.expert_stats[:, 1].sum())
         seconds = (total - self._expert_ns_seen) / 1e9
@@ -164,6 +183,7 @@ class VllmEplbAdapter:
                 v: t for v, t in self._expert_by_version.items() if v in (0, newest)
             }
         self._expert_by_version.setdefault(version, deque(maxlen=STEP_TIMES_KEPT)).append(seconds)
+        return seconds
 
     def _expert_figures(self) -> dict[str, Any]:
         """``expert_ms`` (recent steps) and ``payback`` for the metrics file.
@@ -191,6 +211,7 @@ class VllmEplbAdapter:
             "expert_ms": _summary(list(self._expert_seconds)),
             "expert_rows": int(self.state.expert_stats[:, 0].sum()),
             "payback": payback,
+            "paybacks": self._payback.figures(),
         }
 
     def _log_rearrangement(self) -> None:
@@ -199,10 +220,7 @@ class VllmEplbAdapter:
         Reads plain counters only; the line is built only when a rearrangement started or ended.
         """
         stats = self.runtime.pipeline.stats
-        scheduler = self.runtime.scheduler
-        ended = (
-            scheduler.stats.rearrangements_finished if scheduler else stats.rearrangements_started
-        )
+        ended = self._finished()
         started = stats.rearrangements_started
         if started != self._seen[0]:
             self._rearrangement_started = self._step_started
