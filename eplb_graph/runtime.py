@@ -97,6 +97,7 @@ class EplbRuntime:
             control.num_nodes,
             state.num_ranks,
             dict(control.policy_options),
+            control.min_gain_percent,
         )
         slot_nbytes = max(view.slot_nbytes for view in self.views)
         self.pool = StagingPool(

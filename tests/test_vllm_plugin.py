@@ -46,6 +46,8 @@ def test_unknown_keys_are_named_with_a_suggestion():
         ({"layers_per_step": 0}, "layers_per_step", "must be >= 1"),
         ({"layers_per_step": True}, "layers_per_step", "expected an integer"),
         ({"commit_margin_steps": "8"}, "commit_margin_steps", "expected an integer"),
+        ({"min_gain_percent": 100}, "min_gain_percent", "must be <= 99"),
+        ({"min_gain_percent": 0.05}, "min_gain_percent", "expected an integer"),
         ({"load_collection_phase": "chunked"}, "load_collection_phase", "must be one of"),
         ({"policy_options": {"budget": 0.1}}, "policy_options", "without a policy"),
         ({"policy": "churn_aware", "policy_options": [1]}, "policy_options", "JSON object"),
@@ -362,6 +364,18 @@ _PHASE_SPELLINGS = {
         "eplb_graph": {"load_collection_phase": "prefill"},
     },
 }
+
+
+@pytest.mark.vllm
+def test_min_gain_percent_reaches_the_planner(engine_args):
+    from eplb_graph.integrations.vllm.settings import eplb_settings
+
+    config = engine_args(
+        additional_config={"eplb_graph": {"min_gain_percent": 5}}
+    ).create_engine_config()
+    assert eplb_settings(config, num_layers=2).control.min_gain_percent == 5
+    default = eplb_settings(engine_args().create_engine_config(), num_layers=2)
+    assert default.control.min_gain_percent == 0
 
 
 @pytest.mark.vllm

@@ -14,7 +14,7 @@ import torch
 
 from eplb_graph.control.window import WindowLoad
 from eplb_graph.policy import expert_hotness, get_policy, rebalance
-from eplb_graph.policy.metrics import balancedness_of_slots
+from eplb_graph.policy.metrics import balancedness_of_slots, rank_load
 
 HISTORY_OPTION = "previous_weight"
 
@@ -27,6 +27,11 @@ class PolicyPlanner:
         policy: registered policy name (``eplb_graph.policy.policy_names()``).
         num_replicas, num_groups, num_nodes, num_ranks: the cluster shape the policy plans for.
         options: policy-specific keyword options.
+
+    ``min_gain_percent`` (0 = off) keeps the placement when the plan would cut the predicted
+    step's expert load, the sum over layers of the busiest rank's load (each layer waits for its
+    busiest rank), by less than that share of the window's load: a rearrangement costs movement
+    and stalls, and one that buys almost nothing (a balanced load, noise) never repays them.
 
     A policy that takes a ``previous_weight`` keyword (``churn_aware``) also gets the load of the
     window this planner saw before, so it can measure how much popularity drifts between
@@ -41,6 +46,7 @@ class PolicyPlanner:
     num_nodes: int
     num_ranks: int
     options: dict = field(default_factory=dict)
+    min_gain_percent: int = 0
     _takes_history: bool = field(default=False, init=False, repr=False)
     _latest_step: int | None = field(default=None, init=False, repr=False)
     _latest: torch.Tensor | None = field(default=None, init=False, repr=False)
@@ -83,6 +89,12 @@ class PolicyPlanner:
         )
         if torch.equal(new_phy2log, load.committed):
             return None
+        if (
+            self.min_gain_percent
+            and predicted_gain(load.committed, new_phy2log, load.logical, self.num_ranks)
+            < self.min_gain_percent / 100
+        ):
+            return None
         return new_phy2log
 
     def observe(self, load: WindowLoad) -> None:
@@ -96,6 +108,17 @@ class PolicyPlanner:
             return
         self._before_latest, self._latest = self._latest, load.logical
         self._latest_step = load.step
+
+
+def predicted_gain(
+    committed: torch.Tensor, proposed: torch.Tensor, logical: torch.Tensor, num_ranks: int
+) -> float:
+    """Share of the step's busiest-rank load (summed over layers) ``proposed`` removes, under a
+    window's load ``logical`` (``[L, N]``, or ``[S, L, N]`` time buckets, summed); 0 if none."""
+    load = logical.sum(dim=0) if logical.dim() == 3 else logical
+    before = float(rank_load(committed, load, num_ranks).max(dim=1).values.sum())
+    after = float(rank_load(proposed, load, num_ranks).max(dim=1).values.sum())
+    return (before - after) / before if before > 0 else 0.0
 
 
 @dataclass(frozen=True)

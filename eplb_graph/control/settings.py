@@ -26,6 +26,11 @@ class ControlSettings:
     log_balancedness: bool = False
     log_balancedness_interval: int = 1
     time_samples: int = 8
+    min_gain_percent: int = 0
+    """Keep the placement unless a plan cuts the predicted busiest-rank load (summed over
+    layers: what a step waits for) by at least this many percent. 0 = apply every plan that
+    differs, as upstream EPLB does; a few percent stops rearranging on noise, which costs
+    movement and gains nothing (see :class:`PolicyPlanner`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -40,6 +45,12 @@ class ControlSettings:
             "num_nodes",
         ):
             as_int(name, getattr(self, name), minimum=1, error=SettingsError)
+        as_int("min_gain_percent", self.min_gain_percent, minimum=0, error=SettingsError)
+        if self.min_gain_percent > 99:
+            raise SettingsError(
+                f"min_gain_percent must be 0-99 (a plan cannot cut the load by 100% or more), "
+                f"got {self.min_gain_percent}"
+            )
         as_flag("log_balancedness", self.log_balancedness, error=SettingsError)
         if not isinstance(self.policy, str) or not self.policy:
             raise SettingsError(f"policy must be a policy name, got {self.policy!r}")

@@ -144,6 +144,7 @@ def _simulate(
         cluster.num_nodes,
         cluster.num_ranks,
         dict(settings.policy_options),
+        settings.min_gain_percent,
     )
     rebalances: list[RebalanceRecord] = []
 

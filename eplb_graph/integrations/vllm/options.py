@@ -72,6 +72,9 @@ class PluginOptions(Validated):
     layers_per_step: int = option(1, minimum=1, maximum=1 << 16, doc="layers committed together")
     commit_margin_steps: int = option(8, minimum=1, maximum=1 << 20, doc="fence distance")
     time_samples: int = option(8, minimum=1, maximum=1 << 16, doc="time buckets for the policy")
+    min_gain_percent: int = option(
+        0, minimum=0, maximum=99, doc="apply a plan only if it cuts the busiest rank's load by this"
+    )
 
     def __post_init__(self) -> None:
         self._validate_all()

@@ -139,7 +139,10 @@ def _check_supported_modes(vllm_config: Any) -> None:
 def _with_options(
     control: ControlSettings, options: PluginOptions, additional: dict
 ) -> ControlSettings:
-    changes: dict[str, Any] = {"time_samples": options.time_samples}
+    changes: dict[str, Any] = {
+        "time_samples": options.time_samples,
+        "min_gain_percent": options.min_gain_percent,
+    }
     if options.policy is not None:
         changes["policy"] = options.policy
         changes["policy_options"] = dict(options.policy_options or {})
