@@ -195,7 +195,9 @@ def test_real_torchair_registers_and_converts_all_three_ops(real_torchair_report
     assert report["has_converter"] == dict.fromkeys(OPS, True)
     allowed = set(SURFACE["builders"]["functions"]) | {"Const", "Cast", "TensorMove"}
     undefined = SURFACE["DataType"]["DT_UNDEFINED"]
+    assert len(report["cases"]) == 6
     for key, case in report["cases"].items():
+        assert "error" not in case, (key, case.get("error"))
         assert set(case["ops"]) <= allowed, (key, set(case["ops"]) - allowed)
         assert not [op for op in case["ops"] if "Shift" in op], key
         if key.startswith(("record_load", "map_and_record")):

@@ -101,8 +101,12 @@ def main(source_root: str, wheel: str) -> None:
     import eplb_graph  # noqa: F401 - defines the ops
     from eplb_graph.ops import npu
 
+    try:
+        surface = surface_tool.extract(torchair, Path(wheel))
+    except AttributeError as error:  # a name the converters use is missing from the wheel
+        surface = {"error": f"{type(error).__name__}: {error}"}
     report = {
-        "surface": surface_tool.extract(torchair, Path(wheel)),
+        "surface": surface,
         "public_has": {n: hasattr(public, n) for n in ("Range", "GatherV2", "Shape", "Cast")},
         "builders_count": sum(1 for n in dir(ge_apis) if n[:1].isupper()),
         "tensor_getitem": hasattr(_ge_graph.Tensor, "__getitem__"),
@@ -116,7 +120,10 @@ def main(source_root: str, wheel: str) -> None:
     for op_name in ("map_to_physical", "record_load", "map_and_record"):
         for ids_dtype, table_dtype in ((torch.int64, torch.int64), (torch.int32, torch.int64)):
             key = f"{op_name}/{ids_dtype}/{table_dtype}"
-            report["cases"][key] = _case(op_name, ids_dtype, table_dtype)
+            try:
+                report["cases"][key] = _case(op_name, ids_dtype, table_dtype)
+            except Exception as error:  # reported, and failed on, by the test
+                report["cases"][key] = {"error": f"{type(error).__name__}: {error}"}
     report["warnings"] = warnings.messages
     sys.stdout.write("\nREPORT " + json.dumps(report) + "\n")
 
