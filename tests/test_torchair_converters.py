@@ -195,11 +195,17 @@ def test_real_torchair_registers_and_converts_all_three_ops(real_torchair_report
     assert report["has_converter"] == dict.fromkeys(OPS, True)
     allowed = set(SURFACE["builders"]["functions"]) | {"Const", "Cast", "TensorMove"}
     undefined = SURFACE["DataType"]["DT_UNDEFINED"]
-    assert len(report["cases"]) == 6
+    assert len(report["cases"]) == 8
     for key, case in report["cases"].items():
         assert "error" not in case, (key, case.get("error"))
-        assert set(case["ops"]) <= allowed, (key, set(case["ops"]) - allowed)
         assert not [op for op in case["ops"] if "Shift" in op], key
+        if key.endswith("/view"):
+            # load = buffer[layer]: torchair regenerates the view (AsStrided), the converter's
+            # ref op writes it, and ViewCopy copies exactly that view back into the buffer.
+            assert case["load_from"] == "ViewCopy" and case["copies_the_written_view"], key
+            assert "InplaceIndexAdd" in case["ops"], key
+            continue
+        assert set(case["ops"]) <= allowed, (key, set(case["ops"]) - allowed)
         if key.startswith(("record_load", "map_and_record")):
             # torchair found the updated load on the ref output of the last op, not an Identity.
             assert case["load_from"] == "InplaceIndexAdd" and case["load_output_name"] == "var"

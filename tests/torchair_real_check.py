@@ -89,6 +89,58 @@ def _case(op_name, ids_dtype, table_dtype):
     return result
 
 
+def _view_case(op_name):
+    """``load`` a view of a per-layer buffer (``state.load[layer]``): what functionalization
+    passes for it is an as_strided view of the base (size, stride, storage offset). Sizes and
+    strides are lists: torchair turns the FX graph's tuples into lists before calling a
+    converter (``npu_fx_compiler.py:187-192``)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torchair._ge_concrete_graph.auto_functionalized_v2 import conveter_auto_functionalize_v2
+    from torchair._ge_concrete_graph.fx2ge_converter import torch_type_to_ge_type
+    from torchair.ge._ge_graph import Data, GeGraph
+
+    op = getattr(torch.ops.eplb_graph, op_name).default
+    tensors = _inputs(torch.int64, torch.int64)
+    slots = tensors["load"].shape[0]
+    mode = FakeTensorMode()
+    with GeGraph() as graph, mode:
+        kwargs = {}
+        for index, arg in enumerate(op._schema.arguments):
+            value = (
+                torch.zeros(3, slots, dtype=torch.int64)
+                if arg.name == "load"
+                else tensors[arg.name]
+            )
+            node = Data(
+                index=index,
+                dtype=torch_type_to_ge_type(value.dtype),
+                shape=list(value.shape),
+                placement="NPU",
+            )
+            node.set_meta(mode.from_tensor(value))
+            kwargs[arg.name] = node
+        base = kwargs.pop("load")
+        first = len(graph._proto.op)
+        outputs = conveter_auto_functionalize_v2(
+            op,
+            _all_bases=[base],
+            _load_base_index=0,
+            _load_size=[slots],
+            _load_stride=[1],
+            _load_storage_offset=slots,
+            **kwargs,
+        )
+        built = list(graph._proto.op)[first:]
+    update = outputs[-1].node
+    written = next(o for o in reversed(built) if o.type == "InplaceIndexAdd")
+    return {
+        "ops": [o.type for o in built],
+        "load_from": update.type,
+        # The update copies the as_strided view the ref op wrote back into the base.
+        "copies_the_written_view": written.input[0] in list(update.input),
+    }
+
+
 def main(source_root: str, wheel: str) -> None:
     warnings = _Warnings()
     torchair = surface_tool.import_torchair(Path(source_root))
@@ -124,6 +176,11 @@ def main(source_root: str, wheel: str) -> None:
                 report["cases"][key] = _case(op_name, ids_dtype, table_dtype)
             except Exception as error:  # reported, and failed on, by the test
                 report["cases"][key] = {"error": f"{type(error).__name__}: {error}"}
+    for op_name in ("record_load", "map_and_record"):
+        try:
+            report["cases"][f"{op_name}/view"] = _view_case(op_name)
+        except Exception as error:
+            report["cases"][f"{op_name}/view"] = {"error": f"{type(error).__name__}: {error}"}
     report["warnings"] = warnings.messages
     sys.stdout.write("\nREPORT " + json.dumps(report) + "\n")
 
