@@ -49,6 +49,7 @@ def fake(monkeypatch):
     torchair, modules, recorder, converters = torchair_fake.make_torchair()
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(npu, "_registered", {})  # install()'s memo stays as it was
     names = npu.register_torchair_converters(torchair)
     return torchair, recorder, converters, names
 
