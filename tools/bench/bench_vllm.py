@@ -226,8 +226,8 @@ def benefit(root: Path, args) -> dict:
     from eplb_graph.models.tiny_qwen3_moe import write_tiny_qwen3_moe
 
     inter = args.intermediate or 512
-    prompts = args.prompts or 128
-    tokens, calls = (16, 2) if args.quick else (32, 4)
+    prompts = args.prompts or 256
+    tokens, calls = (16, 2) if args.quick else (32, 6)
     report = {
         "shape": {
             "hidden": 1024, "layers": 4, "experts": 64, "top_k": 8, "moe_intermediate": inter,
@@ -291,7 +291,9 @@ def benefit(root: Path, args) -> dict:
         on, off = result["engines"]["on"], result["engines"]["off"]
         print(
             f"  {router}: decode {on['decode_tokens_per_s']:.1f} vs "
-            f"{off['decode_tokens_per_s']:.1f} tok/s ({result['decode_speedup']:.3f}x); "
+            f"{off['decode_tokens_per_s']:.1f} tok/s ({result['decode_speedup']:.3f}x), decode "
+            f"step {on['decode_step_ms']:.1f} vs {off['decode_step_ms']:.1f} ms "
+            f"({result['decode_step_speedup']:.3f}x); "
             f"busiest rank's expert ms "
             f"{max(on['expert_ms_per_rank']):.2f} vs {max(off['expert_ms_per_rank']):.2f} "
             f"(measured {result['expert_speedup_measured']}, counts predict "

@@ -13,7 +13,9 @@ router two engines in one process, taking turns (ABBA), TP=2 + EP, 8 redundant s
 
 Each rank computes only its own rows (``torch.ops.eplb_graph.vllm_local_experts``), so the
 placement decides the busiest rank's work. Reported per engine: decode throughput (tokens/s over
-timed calls), TPOT p50/p99 (per-step serving time from the rank files), TTFT of a prefill batch,
+timed calls of prefill + decode), the decode step time alone (a call's time less a prefill-only
+call's, per later token), TPOT p50/p99 (per-step serving time from the rank files), TTFT of a
+prefill batch,
 each rank's median expert ms per step and rows computed, the measured balancedness (mean / max of
 per-rank expert ms), the count balancedness, and the speedup the counts predict (busiest rank's
 rows off / on).
@@ -96,8 +98,11 @@ def summarize(result: dict, tokens: int, prompts: int) -> dict:
         expert = [(a.get("expert_ms") or {}).get("p50") or 0.0 for a in after]
         steps = [a["step_ms"]["idle"] for a in after]
         busiest = max(expert) if expert else 0.0
+        call_s, prefill_s = statistics.median(seconds), statistics.median(result["ttft"][name])
         engines[name] = {
-            "decode_tokens_per_s": prompts * tokens / statistics.median(seconds),
+            "decode_tokens_per_s": prompts * tokens / call_s,
+            # A call's time less a prefill-only call's, per later token: the decode steps alone.
+            "decode_step_ms": 1e3 * (call_s - prefill_s) / max(1, tokens - 1),
             "tpot_ms": {"p50": steps[0].get("p50"), "p99": steps[0].get("p99")},
             "ttft_ms": 1e3 * statistics.median(result["ttft"][name]),
             "expert_ms_per_rank": expert,
@@ -122,6 +127,7 @@ def summarize(result: dict, tokens: int, prompts: int) -> dict:
     return {
         "engines": engines,
         "decode_speedup": on["decode_tokens_per_s"] / off["decode_tokens_per_s"],
+        "decode_step_speedup": off["decode_step_ms"] / on["decode_step_ms"],
         "expert_speedup_measured": measured,
         "expert_speedup_predicted_by_counts": predicted,
         "measured_over_predicted": measured / predicted if measured and predicted else None,
