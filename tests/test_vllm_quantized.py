@@ -1,0 +1,168 @@
+"""W8A8 int8 experts under vLLM (0.32, CPU backend) with expert parallelism and EPLB.
+
+Unit part (vLLM's int8 CPU kernel called directly, no engine): the local-rows op on the int8
+kernel equals the kernel on every row, and the kernel equals a dequantized reference on this
+CPU; the packing is per expert, so the ``cpu_int8_packed`` view moves an expert whole; the
+weight-digest check passes when scales move with their weights and fails when they do not
+(the planted mismatch).
+
+Engine part: tiny W8A8 int8 checkpoints of two families (Qwen3-MoE, Mixtral; compressed-tensors,
+written by ``eplb_graph.models.tiny_w8a8``) and a float Qwen3-MoE quantized online
+(``quantization="experts_int8"``), served in bfloat16 with TP=2 + expert parallelism and 2
+redundant slots. Per checkpoint: one engine in record mode (the same layout, EPLB off) and one
+with EPLB on (synchronous, eager) and ``weight_digests``. Asserted: the tokens are identical,
+at least 2 rearrangements commit on one placement on both ranks, and after every commit every
+local slot's packed bytes, compensation and scales equal those of the expert the placement
+names (``slot_digests.check_slot_digests``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eplb_graph.integrations.vllm.local_rows import vllm_local_experts
+from eplb_graph.integrations.vllm.slot_digests import DigestLog, check_slot_digests
+from eplb_graph.movement.views import CpuInt8PackedView, UnsupportedWeightFormat, make_expert_view
+
+ops = pytest.importorskip("vllm._custom_ops", reason="the vllm extra is not installed")
+
+pytestmark = pytest.mark.vllm
+
+E, H, INTER, K = 8, 128, 64, 2
+
+
+def _int8_experts(seed: int = 0):
+    """Random int8 experts, their scales, and vLLM's packing of them."""
+    gen = torch.Generator().manual_seed(seed)
+    w13 = torch.randint(-127, 128, (E, 2 * INTER, H), generator=gen, dtype=torch.int8)
+    w2 = torch.randint(-127, 128, (E, H, INTER), generator=gen, dtype=torch.int8)
+    s13 = torch.rand(E, 2 * INTER, 1, generator=gen) * 0.002 + 0.001
+    s2 = torch.rand(E, H, 1, generator=gen) * 0.002 + 0.001
+    pack = torch.ops._C.convert_weight_packed
+    return w13, w2, s13, s2, pack(w13), pack(w2)
+
+
+def _quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """Dynamic per-token symmetric int8, dequantized (what the kernel does to activations)."""
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-10) / 127
+    return torch.round(x / scale).clamp(-127, 127) * scale
+
+
+def _reference(hidden, ids, weights, w13, w2, s13, s2):
+    out = torch.zeros(hidden.shape, dtype=torch.float32)
+    for t in range(hidden.shape[0]):
+        x = _quantize_rows(hidden[t].float())
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            gate, up = ((w13[e].float() * s13[e]) @ x).chunk(2)
+            h = _quantize_rows(torch.nn.functional.silu(gate) * up)
+            out[t] += weights[t, k] * ((w2[e].float() * s2[e]) @ h)
+    return out
+
+
+@pytest.mark.parametrize("tokens", [1, 9, 40])
+def test_int8_local_rows_of_two_ranks_sum_to_the_kernel_on_every_row(tokens):
+    w13, w2, s13, s2, p13, p2 = _int8_experts(tokens)
+    gen = torch.Generator().manual_seed(7 + tokens)
+    hidden = torch.randn(tokens, H, generator=gen).to(torch.bfloat16)
+    ids = torch.randint(0, E, (tokens, K), generator=gen, dtype=torch.int32)
+    weights = torch.rand(tokens, K, generator=gen)
+    whole = torch.empty_like(hidden)
+    ops.fused_experts_cpu(
+        whole, hidden, p13, p2, weights, ids, ops.CPUQuantMethod.INT8_W8A8, s13, s2,
+        None, None, None, None, None, None, None, True,
+    )  # fmt: skip
+    total = torch.zeros(tokens, H)
+    rows = 0
+    for rank in range(2):
+        local = slice(4 * rank, 4 * rank + 4)
+        expert_map = torch.full((E,), -1, dtype=torch.int32)
+        expert_map[local] = torch.arange(4, dtype=torch.int32)
+        stats = torch.zeros(2, dtype=torch.int64)
+        part = vllm_local_experts(
+            hidden, ids, weights, expert_map,
+            [p13[local], p2[local], s13[local], s2[local]], stats, "cpu_int8_w8a8",
+        )  # fmt: skip
+        rows += int(stats[0])
+        total += part.float()
+    assert rows == tokens * K
+    reference = _reference(hidden, ids, weights, w13, w2, s13, s2)
+    scale = reference.abs().max()
+    # bf16 output rounding on both sides; the int8 arithmetic itself is exact
+    assert (total - whole.float()).abs().max() <= 0.02 * scale
+    assert (whole.float() - reference).abs().max() <= 0.03 * scale
+
+
+def test_packing_is_per_expert_and_the_view_moves_weights_compensation_and_scales():
+    w13, _, s13, s2, p13, p2 = _int8_experts(1)
+    for e in range(E):
+        assert torch.equal(torch.ops._C.convert_weight_packed(w13[e : e + 1])[0], p13[e])
+    assert p13.shape == (E, 2 * INTER, H + 4) and p2.shape == (E, H, INTER + 4)
+    view = make_expert_view(
+        "cpu_int8_packed", {"w13": p13, "w2": p2, "w13_scale": s13, "w2_scale": s2}
+    )
+    assert isinstance(view, CpuInt8PackedView)
+    assert view.slot_nbytes >= p13[0].numel() + p2[0].numel() + 4 * (s13[0].numel() + s2[0].numel())
+    payload = torch.empty(view.slot_nbytes, dtype=torch.uint8)
+    view.pack_slot(5, payload)
+    view.unpack_slot_(0, payload)
+    for tensor in (p13, p2, s13, s2):
+        assert torch.equal(tensor[0], tensor[5])
+
+
+def test_the_view_refuses_unpacked_weights_and_scales_of_another_shape():
+    w13, w2, s13, s2, p13, p2 = _int8_experts(2)
+    with pytest.raises(UnsupportedWeightFormat, match="compensation"):
+        CpuInt8PackedView(w13, w2, s13, s2)
+    with pytest.raises(UnsupportedWeightFormat, match="output channels"):
+        CpuInt8PackedView(p13, p2, s13[:, :INTER], s2)
+
+
+def _two_rank_move(move_scales: bool):
+    """Two ranks of 5 slots (8 experts + 2 redundant), moved to a new placement payload by
+    payload; ``move_scales=False`` plants the bug: weights move, scales stay."""
+    *_, s13, s2, p13, p2 = _int8_experts(3)
+    old = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 0, 1]])
+    new = torch.tensor([[3, 2, 4, 0, 6, 1, 5, 7, 2, 3]])
+    ranks = []
+    for rank in range(2):
+        experts = old[0, 5 * rank : 5 * rank + 5]
+        tensors = {
+            "w13": p13[experts].clone(), "w2": p2[experts].clone(),
+            "w13_scale": s13[experts].clone(), "w2_scale": s2[experts].clone(),
+        }  # fmt: skip
+        ranks.append(tensors)
+    logs = [DigestLog([tensors]) for tensors in ranks]
+    for log in logs:
+        log.record(0, old)
+    moved = ("w13", "w2", "w13_scale", "w2_scale") if move_scales else ("w13", "w2")
+    views = [
+        make_expert_view("strided_packed", {n: t[n] for n in moved}, expert_dim=0) for t in ranks
+    ]
+    payloads = {}
+    for slot in range(10):  # what the new placement needs, from a slot holding it now
+        source = int((old[0] == new[0, slot]).nonzero()[0])
+        payload = torch.empty(views[0].slot_nbytes, dtype=torch.uint8)
+        views[source // 5].pack_slot(source % 5, payload)
+        payloads[slot] = payload
+    for slot, payload in payloads.items():
+        views[slot // 5].unpack_slot_(slot % 5, payload)
+    for log in logs:
+        log.record(1, new)
+    documents = [{"rank": rank, "weight_digests": log.document()} for rank, log in enumerate(logs)]
+    return documents, int((old != new).sum())
+
+
+def test_the_digest_check_passes_when_scales_move_with_their_weights():
+    documents, _ = _two_rank_move(move_scales=True)
+    checked, problems = check_slot_digests(documents)
+    assert checked == 2 and problems == []
+
+
+def test_a_planted_mismatch_scales_left_behind_fails_the_digest_check():
+    documents, changed = _two_rank_move(move_scales=False)
+    checked, problems = check_slot_digests(documents)
+    assert checked == 2
+    # every slot whose expert changed has the right weights next to another expert's scales
+    assert changed > 0 and len(problems) == changed, problems
