@@ -6,8 +6,8 @@ CPU; the packing is per expert, so the ``cpu_int8_packed`` view moves an expert 
 weight-digest check passes when scales move with their weights and fails when they do not
 (the planted mismatch).
 
-Engine part: tiny W8A8 int8 checkpoints of two families (Qwen3-MoE, Mixtral; compressed-tensors,
-written by ``eplb_graph.models.tiny_w8a8``) and a float Qwen3-MoE quantized online
+Engine part: two families and vLLM's two W8A8 int8 MoE methods: a Qwen3-MoE compressed-tensors
+checkpoint (written by ``eplb_graph.models.tiny_w8a8``) and a float Mixtral quantized online
 (``quantization="experts_int8"``), served in bfloat16 with TP=2 + expert parallelism and 2
 redundant slots. Per checkpoint: one engine in record mode (the same layout, EPLB off) and one
 with EPLB on (synchronous, eager) and ``weight_digests``. Asserted: the tokens are identical,
@@ -119,6 +119,55 @@ def test_the_view_refuses_unpacked_weights_and_scales_of_another_shape():
         CpuInt8PackedView(p13, p2, s13[:, :INTER], s2)
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_the_w8a8_writer_quantizes_every_linear_but_routers_and_lm_head(tmp_path, family):
+    import json
+
+    from safetensors.torch import load_file
+
+    from eplb_graph.models.tiny_w8a8 import write_float_checkpoint, write_tiny_w8a8
+
+    source = load_file(write_float_checkpoint(tmp_path / "f", family) / "model.safetensors")
+    model = write_tiny_w8a8(tmp_path / "q", family)
+    quantized = load_file(model / "model.safetensors")
+    config = json.loads((model / "config.json").read_text())["quantization_config"]
+    assert config["format"] == "int-quantized" and "lm_head" in config["ignore"]
+    experts = [name for name in source if ".experts." in name]
+    assert len(experts) == 2 * 8 * 3
+    for name, weight in source.items():
+        q = quantized[name]
+        if (
+            name.endswith(("gate.weight", "lm_head.weight", "embed_tokens.weight"))
+            or weight.dim() < 2
+        ):
+            assert torch.equal(q, weight), name
+            continue
+        scale = quantized[f"{name}_scale"]
+        assert q.dtype == torch.int8 and scale.shape == (weight.shape[0], 1), name
+        assert int(q.abs().amax(dim=1).min()) == 127  # symmetric, full range per channel
+        assert (q.float() * scale - weight).abs().max() <= scale.max() / 2 + 1e-7
+
+
+def test_eplb_is_lifted_for_the_int8_cpu_experts_only_and_the_gate_follows_the_cpu():
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
+        compressed_tensors_moe_w8a8_int8 as ct_int8,
+    )
+
+    from eplb_graph.integrations.vllm import quantized
+
+    quantized.install()
+    quantized.install()  # idempotent: nothing wrapped twice
+    method = object.__new__(ct_int8.CompressedTensorsW8A8Int8MoEMethod)
+    method.experts_cls = cpu_moe.CPUExpertsInt8
+    assert method.supports_eplb is True
+    method.experts_cls = cpu_moe.ZenCPUExpertsInt8  # a kernel whose weights nothing moves
+    assert method.supports_eplb is False
+    supported = cpu_moe.CPUExpertsInt8._supports_current_device()
+    expected = torch.cpu._is_amx_tile_supported() or quantized.avx512_int8_capable()
+    assert supported == expected
+
+
 def _two_rank_move(move_scales: bool):
     """Two ranks of 5 slots (8 experts + 2 redundant), moved to a new placement payload by
     payload; ``move_scales=False`` plants the bug: weights move, scales stay."""
@@ -166,3 +215,100 @@ def test_a_planted_mismatch_scales_left_behind_fails_the_digest_check():
     assert checked == 2
     # every slot whose expert changed has the right weights next to another expert's scales
     assert changed > 0 and len(problems) == changed, problems
+
+
+# -- real engines ---------------------------------------------------------------------------------
+
+CHECKPOINTS = {
+    # name: (family, quantization): two families, vLLM's two int8 MoE methods, 4 engines
+    "qwen3_ct": ("qwen3_moe", "compressed-tensors"),
+    "mixtral_online": ("mixtral", "experts_int8"),
+}
+
+
+@pytest.fixture(scope="module")
+def quantized_engines(tmp_path_factory):
+    """``start(checkpoint, mode)``: each engine started once, one at a time (2 cores)."""
+    pytest.importorskip("vllm", reason="the vllm extra is not installed")
+    from test_vllm_engine import EPLB, metrics, run_engine
+
+    from eplb_graph.models.tiny_w8a8 import write_float_checkpoint, write_tiny_w8a8
+
+    root = tmp_path_factory.mktemp("w8a8")
+    cache: dict[tuple[str, str], dict] = {}
+
+    def start(checkpoint: str, mode: str) -> dict:
+        key = (checkpoint, mode)
+        if key in cache:
+            return cache[key]
+        family, quantization = CHECKPOINTS[checkpoint]
+        model = root / checkpoint
+        if not model.exists():
+            if quantization == "experts_int8":
+                write_float_checkpoint(model, family)
+            else:
+                write_tiny_w8a8(model, family)
+        name = f"{checkpoint}-{mode}"
+        section = {"metrics_path": str(root / f"metrics-{name}")}
+        if mode == "fixed":  # record mode: plans are written, never applied
+            section["record_map_path"] = str(root / f"{name}-map.json")
+        else:
+            section["weight_digests"] = True
+        llm = {
+            "dtype": "bfloat16",
+            "tensor_parallel_size": 2,
+            "enable_expert_parallel": True,
+            "enforce_eager": True,
+            "enable_eplb": True,
+            "eplb_config": {**EPLB, "use_async": False},
+            "additional_config": {"eplb_graph": section},
+        }
+        if quantization == "experts_int8":
+            llm["quantization"] = "experts_int8"
+        result = run_engine(root, name, model, llm)
+        result["metrics"] = metrics(root / f"metrics-{name}")
+        cache[key] = result
+        return result
+
+    return start
+
+
+@pytest.mark.parametrize("checkpoint", list(CHECKPOINTS))
+def test_w8a8_tokens_with_eplb_equal_the_same_layout_with_eplb_off(quantized_engines, checkpoint):
+    """Top-2 on 2 ranks: each rank's bf16 partial sum is exact, so placement changes nothing."""
+    fixed = quantized_engines(checkpoint, "fixed")
+    for rank in fixed["metrics"]:
+        assert rank["layers_committed"] == 0 and rank["plans_recorded"] >= 2, rank
+    tokens = fixed["tokens"][0]
+    assert len(tokens) == 4 and all(len(t) == 64 for t in tokens)
+    assert len({tuple(t) for t in tokens}) > 1  # the model is not degenerate
+    assert quantized_engines(checkpoint, "eplb")["tokens"] == fixed["tokens"]
+
+
+@pytest.mark.parametrize("checkpoint", list(CHECKPOINTS))
+def test_w8a8_rearrangements_move_whole_experts(quantized_engines, checkpoint):
+    """>= 2 rearrangements on one placement; after every commit each slot's packed bytes,
+    compensation and scales are exactly those of the expert the placement names."""
+    per_rank = quantized_engines(checkpoint, "eplb")["metrics"]
+    initial = quantized_engines(checkpoint, "fixed")["metrics"][0]["placement_digest"]
+    for rank in per_rank:
+        assert rank["rearrangements"] >= 2 and rank["layers_committed"] >= 2, rank
+        assert rank["aborted"] == 0 and rank["last_error"] is None, rank
+        assert rank["placement_digest"] != initial
+    assert len({rank["placement_digest"] for rank in per_rank}) == 1
+    checked, problems = check_slot_digests(per_rank)
+    assert problems == []
+    # a record per committed placement change (>= one per rearrangement), on every rank
+    assert checked >= sum(rank["rearrangements"] for rank in per_rank)
+
+
+def test_weight_digests_are_refused_without_a_metrics_path(tmp_path):
+    from eplb_graph.integrations.settings import ConfigError
+    from eplb_graph.integrations.vllm.options import PluginOptions
+
+    with pytest.raises(ConfigError, match=r"weight_digests.*needs metrics_path"):
+        PluginOptions.from_section({"weight_digests": True})
+    options = PluginOptions.from_section({"weight_digests": True, "metrics_path": str(tmp_path)})
+    assert options.weight_digests is True
+    with pytest.raises(ConfigError, match="weight_digests"):
+        PluginOptions.from_section({"weight_digests": "yes", "metrics_path": str(tmp_path)})

