@@ -275,7 +275,8 @@ def quantized_engines(tmp_path_factory):
 
 @pytest.mark.parametrize("checkpoint", list(CHECKPOINTS))
 def test_w8a8_tokens_with_eplb_equal_the_same_layout_with_eplb_off(quantized_engines, checkpoint):
-    """Top-2 on 2 ranks: each rank's bf16 partial sum is exact, so placement changes nothing."""
+    """Top-2 on 2 ranks: a token's output is its two bf16 expert rows added and rounded once,
+    whichever ranks compute them, so the placement changes no token."""
     fixed = quantized_engines(checkpoint, "fixed")
     for rank in fixed["metrics"]:
         assert rank["layers_committed"] == 0 and rank["plans_recorded"] >= 2, rank
