@@ -58,6 +58,13 @@ def make_tensors(format_name: str, slots: int, seed: int) -> tuple[dict, dict]:
             tensors["w2_scale_bias"] = fill((slots, h), torch.float32, next(seeds))
         tensors["w13_offset"] = fill((slots, 2 * i), torch.float32, next(seeds))
         tensors["w2_offset"] = fill((slots, h), torch.float32, next(seeds))
+    elif format_name == "cpu_int8_packed":  # vLLM's VNNI packing: 4 compensation bytes a row
+        tensors = {
+            "w13": fill((slots, 2 * i, h + 4), torch.int8, next(seeds)),
+            "w2": fill((slots, h, i + 4), torch.int8, next(seeds)),
+            "w13_scale": fill((slots, 2 * i, 1), torch.float32, next(seeds)),
+            "w2_scale": fill((slots, h), torch.float32, next(seeds)),
+        }
     elif format_name == "strided_packed":
         tensors = {
             "w13": fill((h, slots, 2 * i), torch.float16, next(seeds)),

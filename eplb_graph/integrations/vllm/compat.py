@@ -51,6 +51,8 @@ class PatchTarget:
         except (ImportError, AttributeError) as error:
             return f"{self.name} is missing ({type(error).__name__}: {error})"
         original = getattr(value, "__wrapped__", value)
+        if isinstance(original, property):  # a read-only attribute: check its getter
+            original = original.fget
         found = tuple(inspect.signature(original).parameters)
         if found != self.parameters:
             return f"{self.name} has parameters {list(found)}, expected {list(self.parameters)}"
@@ -90,6 +92,18 @@ CPU_EXPERTS_APPLY = PatchTarget(
         "expert_tokens_meta",
         "apply_router_weight_on_input",
     ),
+)
+CPU_INT8_EXPERTS_APPLY = PatchTarget(
+    CPU_EXPERTS_APPLY.module, "CPUExpertsInt8.apply", CPU_EXPERTS_APPLY.parameters
+)
+CPU_INT8_EXPERTS_DEVICE = PatchTarget(
+    CPU_EXPERTS_APPLY.module, "CPUExpertsInt8._supports_current_device", ()
+)
+W8A8_INT8_SUPPORTS_EPLB = PatchTarget(
+    "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
+    "compressed_tensors_moe_w8a8_int8",
+    "CompressedTensorsW8A8Int8MoEMethod.supports_eplb",
+    ("self",),
 )
 CPU_LOAD_MODEL = PatchTarget(
     "vllm.v1.worker.cpu_model_runner", "CPUModelRunner.load_model", ("self", "load_dummy_weights")
@@ -134,6 +148,9 @@ TARGETS = (
     CREATE_ENGINE_CONFIG,
     SET_EPLB_STATE,
     LLAMA4_LOAD_EXPERTS,
+    CPU_INT8_EXPERTS_APPLY,
+    CPU_INT8_EXPERTS_DEVICE,
+    W8A8_INT8_SUPPORTS_EPLB,
 )
 
 _PLATFORM_GATE_MODULE = "vllm.config.parallel"

@@ -68,6 +68,24 @@ def _cpu_fused_moe(out, rows, weights, topk_weights, topk_ids, activation, isa, 
     )
 
 
+@register_kernel("cpu_int8_w8a8")
+def _cpu_int8_w8a8(out, rows, weights, topk_weights, topk_ids, activation, isa, on_input):
+    """vLLM's W8A8 int8 CPU kernel (CPUExpertsInt8: VNNI-packed int8 weights, per-channel
+    scales, dynamic per-token int8 activations, SiLU-and-mul only)."""
+    from vllm._custom_ops import CPUQuantMethod, fused_experts_cpu
+
+    if on_input or activation != "silu":
+        raise LocalRowsError(
+            "the int8 CPU kernel computes silu experts with the router weight on the output only "
+            f"(got activation {activation!r}, weight_on_input={on_input})"
+        )
+    w13, w2, w13_scale, w2_scale = weights
+    fused_experts_cpu(
+        out, rows, w13, w2, topk_weights, topk_ids, CPUQuantMethod.INT8_W8A8, w13_scale, w2_scale,
+        None, None, None, None, None, None, None, True,
+    )  # fmt: skip
+
+
 def _check(hidden, topk_ids, topk_weights, expert_map, stats, kernel) -> None:
     if kernel not in KERNELS:
         raise LocalRowsError(f"kernel {kernel!r} is not one of {sorted(KERNELS)}")

@@ -69,6 +69,9 @@ class PluginOptions(Validated):
     metrics_path: str | None = option(
         None, check=check_directory_path, doc="directory of the per-rank metrics files"
     )
+    weight_digests: bool = option(
+        False, doc="hash every local slot's kernel tensors at attach and after each commit"
+    )
     layers_per_step: int = option(1, minimum=1, maximum=1 << 16, doc="layers committed together")
     commit_margin_steps: int = option(8, minimum=1, maximum=1 << 20, doc="fence distance")
     time_samples: int = option(8, minimum=1, maximum=1 << 16, doc="time buckets for the policy")
@@ -83,6 +86,11 @@ class PluginOptions(Validated):
                 f"{PREFIX}.record_map_path",
                 "cannot be combined with expert_map_path: record mode never moves weights, so "
                 "it cannot start from another map; keep one of the two",
+            )
+        if self.weight_digests and self.metrics_path is None:
+            raise ConfigError(
+                f"{PREFIX}.weight_digests",
+                "needs metrics_path: the digests are written into the per-rank metrics files",
             )
         if self.policy_options and self.policy is None:
             raise ConfigError(

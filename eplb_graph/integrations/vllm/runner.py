@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from eplb_graph.errors import EplbError
-from eplb_graph.integrations.vllm import routing
+from eplb_graph.integrations.vllm import quantized, routing
 from eplb_graph.integrations.vllm.metrics import (
     BackgroundWriter,
     RankMetricsFile,
@@ -33,6 +33,7 @@ from eplb_graph.integrations.vllm.metrics import (
 )
 from eplb_graph.integrations.vllm.payback import PaybackLedger
 from eplb_graph.integrations.vllm.settings import VllmEplbSettings, eplb_settings
+from eplb_graph.integrations.vllm.slot_digests import DigestLog, kernel_tensors
 from eplb_graph.movement.transport import GroupRing
 from eplb_graph.movement.views import make_expert_view
 from eplb_graph.placement import Placement
@@ -101,6 +102,7 @@ class VllmEplbAdapter:
         self._seen: tuple[int, ...] = (0, 0, 0, 0, 0)
         self._rearrangement_started = 0.0
         self._metrics = None
+        self.weight_digests: DigestLog | None = None
         if settings.metrics_path is not None:
             file = RankMetricsFile(settings.metrics_path, ep_rank)
             self._metrics = BackgroundWriter(file, self.snapshot, heartbeat=lambda: self.steps)
@@ -160,6 +162,7 @@ class VllmEplbAdapter:
         self._log_rearrangement()
         if self._metrics is not None:
             self._refresh_digest()
+            self._record_weight_digests()
             self._metrics.notify(self.runtime.progress())
 
     def _finished(self) -> int:
@@ -250,6 +253,11 @@ class VllmEplbAdapter:
         if version != self._digest[0]:
             self._digest = (version, placement_digest(placement))
 
+    def _record_weight_digests(self) -> None:
+        """Hash the kernel's slots when the committed placement changed (opt-in debugging)."""
+        if self.weight_digests is not None:
+            self.weight_digests.record(*self.state.committed_snapshot())
+
     def snapshot(self) -> dict[str, Any]:
         """This rank's figures (what the metrics file holds)."""
         metrics = self.runtime.metrics()
@@ -282,6 +290,11 @@ class VllmEplbAdapter:
             },
             **self._expert_figures(),
             "closed": self.closed,
+            **(
+                {"weight_digests": self.weight_digests.document()}
+                if self.weight_digests is not None
+                else {}
+            ),
         }
 
     def close(self) -> None:
@@ -363,10 +376,14 @@ def _weight_views(model) -> list:
     for index, layer in enumerate(model.moe_layers):
         experts = layer.routed_experts
         kernel = getattr(getattr(experts.quant_method, "moe_kernel", None), "fused_experts", None)
+        if quantized.is_int8_experts(kernel):
+            views.append(quantized.weight_view(index, experts, kernel))
+            continue
         if not isinstance(kernel, CPUUnquantizedExperts):
             raise UnsupportedVllmModel(
                 f"MoE layer {index} runs {type(kernel).__name__}; eplb-graph moves the weights of "
-                "vLLM's unquantized CPU experts only (bf16/fp32)"
+                "vLLM's unquantized CPU experts (bf16/fp32) and of its W8A8 int8 CPU experts "
+                "(CPUExpertsInt8) only"
             )
         tensors = {"w13": experts.w13_weight.data, "w2": experts.w2_weight.data}
         for name in ("w13_bias", "w2_bias"):
@@ -375,6 +392,16 @@ def _weight_views(model) -> list:
                 tensors[name] = bias.data
         views.append(make_expert_view("unquantized", tensors))
     return views
+
+
+def _kernel_tensors(model) -> list[dict[str, torch.Tensor]]:
+    """Per MoE layer, every per-expert tensor its kernel reads (for the weight digests)."""
+    return [
+        kernel_tensors(
+            layer.routed_experts, layer.routed_experts.quant_method.moe_kernel.fused_experts
+        )
+        for layer in model.moe_layers
+    ]
 
 
 def attach(runner: Any) -> VllmEplbAdapter:
@@ -418,6 +445,9 @@ def attach(runner: Any) -> VllmEplbAdapter:
         record_load=ep_rank == 0,
     )
     adapter = VllmEplbAdapter(runner, runtime, settings, ep_rank, ep_size)
+    if settings.weight_digests:
+        adapter.weight_digests = DigestLog(_kernel_tensors(model))
+        adapter._record_weight_digests()
     runner.eplb_state = adapter
     runner._moe_model = model
     if adapter._metrics is not None:

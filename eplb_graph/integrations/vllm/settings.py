@@ -50,6 +50,7 @@ class VllmEplbSettings:
     expert_map: Placement | None  # start from this placement (moved to at start-up)
     record_map_path: str | None
     metrics_path: str | None
+    weight_digests: bool = False  # per-slot digests in the metrics files (slot_digests.py)
 
 
 def plugin_section(vllm_config: Any) -> Any:
@@ -104,6 +105,7 @@ def eplb_settings(
         expert_map=expert_map,
         record_map_path=options.record_map_path,
         metrics_path=options.metrics_path,
+        weight_digests=options.weight_digests,
     )
 
 

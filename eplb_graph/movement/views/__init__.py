@@ -10,6 +10,7 @@ Formats that cannot keep this contract are rejected by name when the view is bui
 - :mod:`.nz`: fractal NZ <-> ND conversion (payloads are always ND).
 - :mod:`.checks`: the shape, dtype and layout checks the formats state.
 - :mod:`.formats`: the concrete formats (unquantized, W8A8, W4A8, strided, internal layout).
+- :mod:`.cpu_int8`: vLLM's CPU int8 experts (VNNI-packed weights, compensation, scales).
 - :mod:`.registry`: format names, :func:`make_expert_view` and :func:`register_weight_format`.
 """
 
@@ -20,6 +21,7 @@ from eplb_graph.movement.views.contract import (
     UnsupportedWeightFormat,
     WeightViewError,
 )
+from eplb_graph.movement.views.cpu_int8 import CpuInt8PackedView
 from eplb_graph.movement.views.formats import (
     InternalLayoutView,
     StridedPackedView,
@@ -36,6 +38,7 @@ from eplb_graph.movement.views.registry import (
 )
 
 __all__ = [
+    "CpuInt8PackedView",
     "ExpertWeightView",
     "InternalLayoutView",
     "PackedSlotView",
