@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -114,7 +115,7 @@ class VllmEplbAdapter:
         self._step_started = time.perf_counter()
         self._step_busy = self.runtime.busy
         self.runtime.begin_step(
-            has_prefill=_has_prefill(self.runner), num_valid_tokens=int(num_tokens_unpadded)
+            has_prefill=self._batch_has_prefill(), num_valid_tokens=int(num_tokens_unpadded)
         )
         self._hook_started = time.perf_counter() - self._step_started
         self._open = True
@@ -126,6 +127,10 @@ class VllmEplbAdapter:
         self._end_step()
 
     # -- internals -------------------------------------------------------------------------------
+    def _batch_has_prefill(self) -> bool:
+        """Whether this step's batch holds a prompt (vLLM V1's runner: from its input batch)."""
+        return _has_prefill(self.runner)
+
     def _end_step(self) -> None:
         ending = time.perf_counter()
         started_before = self.runtime.pipeline.stats.rearrangements_started
@@ -364,27 +369,62 @@ def attach(runner: Any) -> VllmEplbAdapter:
     from vllm.distributed.parallel_state import get_ep_group
 
     model = _moe_model(runner)
+    adapter = start(
+        runner,
+        model,
+        get_ep_group(),
+        bind=_bind_cpu_routers,
+        weight_views=_weight_views,
+        record_load=lambda ep_rank: ep_rank == 0,
+    )
+    _bind_stats(model, adapter.state)
+    runner.eplb_state = adapter
+    runner._moe_model = model
+    return adapter
+
+
+def _bind_cpu_routers(model, state: EplbState) -> None:
+    """vLLM's routers read eplb-graph's rows; its routing hook is ``routing.map_and_record``."""
+    model.set_eplb_state(state.load, state.log2phy, state.replica_count)
+    for layer in model.moe_layers:
+        layer.eplb_state.should_record_tensor = state.record_enabled
+        layer.eplb_state.num_unpadded_tokens_tensors = [state.num_valid_tokens]
+    routing.bind_offset(state.offset)
+
+
+def start(
+    runner: Any,
+    model: Any,
+    group: Any,
+    *,
+    bind: Callable[[Any, EplbState], None],
+    weight_views: Callable[[Any], list],
+    record_load: Callable[[int], bool],
+    adapter_cls: type[VllmEplbAdapter] = VllmEplbAdapter,
+    device: torch.device | str = "cpu",
+) -> VllmEplbAdapter:
+    """One rank's EPLB over a loaded vLLM MoE model: state, routing, views, runtime, adapter.
+
+    Shared by the attaches (vLLM's CPU runner, vllm-ascend's Model Runner V2); each brings how
+    its routers are pointed at the state (``bind``), its weight views, and which ranks record
+    load (``record_load(ep_rank)``: with replicated routing only one rank may).
+    """
     settings = eplb_settings(
         runner.vllm_config,
         num_layers=model.num_moe_layers,
         num_expert_groups=max(1, int(getattr(model, "num_expert_groups", 1) or 1)),
     )
     assert settings is not None  # attach runs only with enable_eplb
-    group = get_ep_group()
     ep_rank, ep_size = group.rank_in_group, group.world_size
     # vLLM filled slot p of every layer with expert p (p < N), then p - N mod N: the default.
     placement = Placement.default(
         model.num_moe_layers, model.num_logical_experts, model.num_redundant_experts, ep_size
     )
-    state = EplbState(placement, rank=ep_rank, offset_seed=0)
+    # One offset seed on every rank: where routing is replicated, a token's replica must agree.
+    state = EplbState(placement, rank=ep_rank, offset_seed=0, device=device)
     state.set_step_inputs_(0, False)  # the compile warm-up is a dummy run: record nothing
-    model.set_eplb_state(state.load, state.log2phy, state.replica_count)
-    for layer in model.moe_layers:
-        layer.eplb_state.should_record_tensor = state.record_enabled
-        layer.eplb_state.num_unpadded_tokens_tensors = [state.num_valid_tokens]
-    routing.bind_offset(state.offset)
-    views = _weight_views(model)
-    _bind_stats(model, state)
+    bind(model, state)
+    views = weight_views(model)
     groups = GroupRing(GROUP_RING_SIZE, timeout_s=GROUP_TIMEOUT_S, ranks=list(group.ranks))
     if settings.expert_map is not None:
         _move_to(settings, state, views, groups, ep_rank, settings.expert_map)
@@ -397,11 +437,9 @@ def attach(runner: Any) -> VllmEplbAdapter:
         use_async=settings.use_async,
         movement=settings.movement,
         record_map_path=settings.record_map_path,
-        record_load=ep_rank == 0,
+        record_load=record_load(ep_rank),
     )
-    adapter = VllmEplbAdapter(runner, runtime, settings, ep_rank, ep_size)
-    runner.eplb_state = adapter
-    runner._moe_model = model
+    adapter = adapter_cls(runner, runtime, settings, ep_rank, ep_size)
     if adapter._metrics is not None:
         adapter._refresh_digest()
         adapter._metrics.file.update(runtime.progress(), adapter.snapshot, force=True)
