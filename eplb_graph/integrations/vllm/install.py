@@ -3,8 +3,9 @@
 vLLM loads general plugins in the process that parses the configuration, in the engine core and
 in every worker, before any of them builds a config or a model; patching module attributes here
 therefore reaches every process. The plugin attaches to vLLM's CPU platform only: on another
-platform vLLM's own EPLB (or vllm-ascend's) is in charge, so nothing is patched there, and a
-request for eplb-graph's settings is refused at engine start.
+platform vLLM's own EPLB is in charge, so nothing is patched there, and a request for
+eplb-graph's settings is refused at engine start. On vllm-ascend's NPU platform the attach of
+:mod:`eplb_graph.integrations.vllm_ascend` is installed instead (it acts only on request).
 """
 
 from __future__ import annotations
@@ -35,7 +36,12 @@ def install() -> None:
     from vllm.platforms import current_platform
 
     on_cpu = current_platform.is_cpu()
+    on_ascend = _is_ascend(current_platform)
     _log_through_vllm()
+    if on_ascend:
+        from eplb_graph.integrations import vllm_ascend
+
+        vllm_ascend.install()
     if on_cpu:
         compat.check_vllm()
         gate.install()
@@ -44,9 +50,14 @@ def install() -> None:
         llama4_loading.install()
         quantized.install()
         _install_runner_hooks()
-    _install_engine_config_check(on_cpu)
+    _install_engine_config_check(on_cpu or on_ascend)
     _installed = True
     logger.debug("eplb-graph vLLM plugin installed (CPU platform: %s)", on_cpu)
+
+
+def _is_ascend(platform: object) -> bool:
+    """vllm-ascend's platform (device type ``npu``)."""
+    return getattr(platform, "device_type", None) == "npu"
 
 
 def _log_through_vllm() -> None:
@@ -68,7 +79,8 @@ def _log_through_vllm() -> None:
 
 
 def _install_runner_hooks() -> None:
-    from eplb_graph.integrations.vllm.runner import VllmEplbAdapter, attach
+    from eplb_graph.integrations.vllm.attach import attach
+    from eplb_graph.integrations.vllm.runner import VllmEplbAdapter
 
     owner, name, load_model = compat.CPU_LOAD_MODEL.owner_and_value()
 
@@ -93,7 +105,7 @@ def _install_runner_hooks() -> None:
     setattr(owner, name, shutdown_with_eplb)
 
 
-def _install_engine_config_check(on_cpu: bool) -> None:
+def _install_engine_config_check(supported: bool) -> None:
     """Check eplb-graph's settings where vLLM builds its config, so ``LLM(...)`` or the server
     fails at start-up with the named field (not later, inside a worker)."""
     from eplb_graph.integrations.settings import ConfigError
@@ -105,12 +117,12 @@ def _install_engine_config_check(on_cpu: bool) -> None:
     @functools.wraps(create_engine_config)
     def create_engine_config_checked(self, *args, **kwargs):
         config = create_engine_config(self, *args, **kwargs)
-        if not on_cpu:
+        if not supported:
             if plugin_section(config) is not None:
                 raise ConfigError(
                     PREFIX,
-                    "eplb-graph's vLLM plugin runs on vLLM's CPU platform only (verified there); "
-                    "on this platform use vLLM's own EPLB, or vllm-ascend's on Ascend",
+                    "eplb-graph's vLLM plugin runs on vLLM's CPU platform (verified there) and "
+                    "vllm-ascend's NPU platform only; on this platform use vLLM's own EPLB",
                 )
             return config
         settings = eplb_settings(config)

@@ -1,8 +1,8 @@
 """eplb-graph's EPLB in place of vLLM's, inside vLLM's CPU model runner.
 
-After vLLM has loaded (and repacked) the weights, :func:`attach` builds one rank's EPLB: an
-``EplbState`` whose rows every MoE router now reads, weight views over the live expert tensors,
-and an ``EplbRuntime`` moving them over eplb-graph's own gloo groups. It then stands a
+After vLLM has loaded (and repacked) the weights, ``attach`` (``attach.py``) builds one rank's
+EPLB: an ``EplbState`` whose rows every MoE router now reads, weight views over the live expert
+tensors, and an ``EplbRuntime`` moving them over eplb-graph's own gloo groups. It then stands a
 :class:`VllmEplbAdapter` where vLLM's ``EplbState`` would be (``runner.eplb_state``), so vLLM's
 own call sites drive it: ``prepare_forward`` before every real forward becomes
 ``EplbRuntime.begin_step`` (commits land between steps) and the step after sampling becomes
@@ -21,10 +21,7 @@ import time
 from collections import deque
 from typing import Any
 
-import torch
-
 from eplb_graph.errors import EplbError
-from eplb_graph.integrations.vllm import quantized, routing
 from eplb_graph.integrations.vllm.metrics import (
     BackgroundWriter,
     RankMetricsFile,
@@ -32,13 +29,9 @@ from eplb_graph.integrations.vllm.metrics import (
     placement_digest,
 )
 from eplb_graph.integrations.vllm.payback import PaybackLedger
-from eplb_graph.integrations.vllm.settings import VllmEplbSettings, eplb_settings
-from eplb_graph.integrations.vllm.slot_digests import DigestLog, kernel_tensors
-from eplb_graph.movement.transport import GroupRing
-from eplb_graph.movement.views import make_expert_view
-from eplb_graph.placement import Placement
+from eplb_graph.integrations.vllm.settings import VllmEplbSettings
+from eplb_graph.integrations.vllm.slot_digests import DigestLog
 from eplb_graph.runtime import EplbRuntime
-from eplb_graph.state import EplbState
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +112,7 @@ class VllmEplbAdapter:
         self._step_started = time.perf_counter()
         self._step_busy = self.runtime.busy
         self.runtime.begin_step(
-            has_prefill=_has_prefill(self.runner), num_valid_tokens=int(num_tokens_unpadded)
+            has_prefill=self._batch_has_prefill(), num_valid_tokens=int(num_tokens_unpadded)
         )
         self._hook_started = time.perf_counter() - self._step_started
         self._open = True
@@ -131,6 +124,10 @@ class VllmEplbAdapter:
         self._end_step()
 
     # -- internals -------------------------------------------------------------------------------
+    def _batch_has_prefill(self) -> bool:
+        """Whether this step's batch holds a prompt (vLLM V1's runner: from its input batch)."""
+        return _has_prefill(self.runner)
+
     def _end_step(self) -> None:
         ending = time.perf_counter()
         started_before = self.runtime.pipeline.stats.rearrangements_started
@@ -342,153 +339,3 @@ def _has_prefill(runner: Any) -> bool:
         if request is not None and request.num_computed_tokens < request.num_prompt_tokens:
             return True
     return False
-
-
-def _moe_model(runner: Any):
-    from vllm.model_executor.models.interfaces import get_mixture_of_experts_model
-
-    model = get_mixture_of_experts_model(runner.model)
-    if model is None:
-        raise UnsupportedVllmModel(
-            f"enable_eplb is set but {type(runner.model).__name__} is not a mixture-of-experts "
-            "model vLLM can rebalance (MixtureOfExperts)"
-        )
-    return model
-
-
-def _bind_stats(model, state: EplbState) -> None:
-    """Each layer's expert op times itself into ``state.expert_stats[layer]`` (rows, ns)."""
-    for index, layer in enumerate(model.moe_layers):
-        kernel = layer.routed_experts.quant_method.moe_kernel.fused_experts
-        kernel.eplb_stats = state.expert_stats[index]
-
-
-def _weight_views(model) -> list:
-    """The unquantized CPU kernels' live expert tensors, one view per MoE layer.
-
-    vLLM's CPU backend repacks each expert's weights into a blocked layout after loading; the
-    packing is per expert and keeps the ``[slots, ...]`` shape, so a slot's bytes are exactly one
-    expert and moving them moves the expert.
-    """
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-
-    views = []
-    for index, layer in enumerate(model.moe_layers):
-        experts = layer.routed_experts
-        kernel = getattr(getattr(experts.quant_method, "moe_kernel", None), "fused_experts", None)
-        if quantized.is_int8_experts(kernel):
-            views.append(quantized.weight_view(index, experts, kernel))
-            continue
-        if not isinstance(kernel, CPUUnquantizedExperts):
-            raise UnsupportedVllmModel(
-                f"MoE layer {index} runs {type(kernel).__name__}; eplb-graph moves the weights of "
-                "vLLM's unquantized CPU experts (bf16/fp32) and of its W8A8 int8 CPU experts "
-                "(CPUExpertsInt8) only"
-            )
-        tensors = {"w13": experts.w13_weight.data, "w2": experts.w2_weight.data}
-        for name in ("w13_bias", "w2_bias"):
-            bias = getattr(experts, name, None)
-            if bias is not None:
-                tensors[name] = bias.data
-        views.append(make_expert_view("unquantized", tensors))
-    return views
-
-
-def _kernel_tensors(model) -> list[dict[str, torch.Tensor]]:
-    """Per MoE layer, every per-expert tensor its kernel reads (for the weight digests)."""
-    return [
-        kernel_tensors(
-            layer.routed_experts, layer.routed_experts.quant_method.moe_kernel.fused_experts
-        )
-        for layer in model.moe_layers
-    ]
-
-
-def attach(runner: Any) -> VllmEplbAdapter:
-    """Build this rank's EPLB after ``load_model`` and hand it to vLLM's runner."""
-    from vllm.distributed.parallel_state import get_ep_group
-
-    model = _moe_model(runner)
-    settings = eplb_settings(
-        runner.vllm_config,
-        num_layers=model.num_moe_layers,
-        num_expert_groups=max(1, int(getattr(model, "num_expert_groups", 1) or 1)),
-    )
-    assert settings is not None  # attach runs only with enable_eplb
-    group = get_ep_group()
-    ep_rank, ep_size = group.rank_in_group, group.world_size
-    # vLLM filled slot p of every layer with expert p (p < N), then p - N mod N: the default.
-    placement = Placement.default(
-        model.num_moe_layers, model.num_logical_experts, model.num_redundant_experts, ep_size
-    )
-    state = EplbState(placement, rank=ep_rank, offset_seed=0)
-    state.set_step_inputs_(0, False)  # the compile warm-up is a dummy run: record nothing
-    model.set_eplb_state(state.load, state.log2phy, state.replica_count)
-    for layer in model.moe_layers:
-        layer.eplb_state.should_record_tensor = state.record_enabled
-        layer.eplb_state.num_unpadded_tokens_tensors = [state.num_valid_tokens]
-    routing.bind_offset(state.offset)
-    views = _weight_views(model)
-    _bind_stats(model, state)
-    groups = GroupRing(GROUP_RING_SIZE, timeout_s=GROUP_TIMEOUT_S, ranks=list(group.ranks))
-    if settings.expert_map is not None:
-        _move_to(settings, state, views, groups, ep_rank, settings.expert_map)
-    runtime = EplbRuntime(
-        state,
-        views,
-        settings.control,
-        groups,
-        ep_rank,
-        use_async=settings.use_async,
-        movement=settings.movement,
-        record_map_path=settings.record_map_path,
-        record_load=ep_rank == 0,
-    )
-    adapter = VllmEplbAdapter(runner, runtime, settings, ep_rank, ep_size)
-    if settings.weight_digests:
-        adapter.weight_digests = DigestLog(_kernel_tensors(model))
-        adapter._record_weight_digests()
-    runner.eplb_state = adapter
-    runner._moe_model = model
-    if adapter._metrics is not None:
-        adapter._refresh_digest()
-        adapter._metrics.file.update(runtime.progress(), adapter.snapshot, force=True)
-    from importlib import metadata
-
-    try:
-        version = metadata.version("eplb-graph")
-    except metadata.PackageNotFoundError:
-        version = "(source tree)"
-    logger.info(
-        "eplb-graph %s attached on EP rank %d/%d: %d MoE layers, %d experts + %d redundant "
-        "(%d slots per rank), policy %s, window %d / interval %d steps, %s, metrics %s",
-        version,
-        ep_rank,
-        ep_size,
-        model.num_moe_layers,
-        model.num_logical_experts,
-        model.num_redundant_experts,
-        placement.num_slots // ep_size,
-        settings.control.policy,
-        settings.control.window_size,
-        settings.control.step_interval,
-        "async" if settings.use_async else "sync",
-        settings.metrics_path or "off",
-    )
-    return adapter
-
-
-def _move_to(settings, state, views, groups, ep_rank: int, target: Placement) -> None:
-    """Start from ``target``: move vLLM's load-time layout there before serving (every rank)."""
-    starter = EplbRuntime(
-        state, views, settings.control, groups, ep_rank, use_async=False, movement=settings.movement
-    )
-    try:
-        starter.rearrange_to(target.phy2log)
-    finally:
-        starter.close()
-    if not torch.equal(state.committed_snapshot()[1], target.phy2log):
-        raise RuntimeError(
-            f"eplb-graph could not move to the starting expert map: "
-            f"{starter.metrics()['movement']['last_error']}"
-        )
