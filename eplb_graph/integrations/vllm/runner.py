@@ -267,10 +267,20 @@ class VllmEplbAdapter:
         }
 
     def close(self) -> None:
+        """Write the final figures first, then stop the runtime.
+
+        vLLM stops a worker by a signal and kills it a few seconds later (its executor waits 5 s,
+        its front-end gives the engine core 5 s): stopping the runtime may wait on a peer that
+        is already gone, so the final file is written before anything that can block, and
+        rewritten afterwards only if stopping changed a counter (an aborted rearrangement).
+        """
         if self.closed:
             return
-        self.runtime.close()
         self.closed = True
+        if self._metrics is not None:
+            self._refresh_digest()
+            self._metrics.close(self.runtime.progress())
+        self.runtime.close()
         movement = self.runtime.metrics()["movement"]
         logger.info(
             "eplb-graph closing on EP rank %d: %d steps, %d rearrangements (%d aborted), "
@@ -284,7 +294,7 @@ class VllmEplbAdapter:
         )
         if self._metrics is not None:
             self._refresh_digest()
-            self._metrics.close(self.runtime.progress())
+            self._metrics.file.update(self.runtime.progress(), self.snapshot)
 
 
 def _summary(seconds) -> dict[str, float | int | None]:
