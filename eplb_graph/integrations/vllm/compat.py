@@ -125,6 +125,7 @@ LLAMA4_LOAD_EXPERTS = PatchTarget(
         "fused",
     ),
 )
+ENGINE_PROCS_SHUTDOWN = PatchTarget("vllm.v1.engine.utils", "shutdown", ("procs", "timeout"))
 TARGETS = (
     ROUTING_HOOK,
     CPU_EXPERTS_APPLY,
@@ -134,6 +135,7 @@ TARGETS = (
     CREATE_ENGINE_CONFIG,
     SET_EPLB_STATE,
     LLAMA4_LOAD_EXPERTS,
+    ENGINE_PROCS_SHUTDOWN,
 )
 
 _PLATFORM_GATE_MODULE = "vllm.config.parallel"

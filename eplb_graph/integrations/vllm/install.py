@@ -12,7 +12,14 @@ from __future__ import annotations
 import functools
 import logging
 
-from eplb_graph.integrations.vllm import compat, expert_parallel, gate, llama4_loading, routing
+from eplb_graph.integrations.vllm import (
+    closing,
+    compat,
+    expert_parallel,
+    gate,
+    llama4_loading,
+    routing,
+)
 from eplb_graph.integrations.vllm.options import PREFIX
 
 logger = logging.getLogger(__name__)
@@ -36,6 +43,7 @@ def install() -> None:
         expert_parallel.install()
         llama4_loading.install()
         _install_runner_hooks()
+        closing.install()
     _install_engine_config_check(on_cpu)
     _installed = True
     logger.debug("eplb-graph vLLM plugin installed (CPU platform: %s)", on_cpu)
@@ -108,6 +116,7 @@ def _install_engine_config_check(on_cpu: bool) -> None:
         settings = eplb_settings(config)
         if settings is not None and settings.metrics_path is not None:
             register_prometheus_collector(settings.metrics_path)
+            closing.watch(settings.metrics_path)
         return config
 
     setattr(owner, name, create_engine_config_checked)

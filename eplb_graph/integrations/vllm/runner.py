@@ -17,6 +17,7 @@ and only EP rank 0 records load (every rank would count the same tokens).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from typing import Any
@@ -264,6 +265,8 @@ class VllmEplbAdapter:
             },
             **self._expert_figures(),
             "closed": self.closed,
+            "closed_by": "worker" if self.closed else None,
+            "pid": os.getpid(),
         }
 
     def close(self) -> None:
