@@ -270,11 +270,11 @@ class VllmEplbAdapter:
         }
 
     def close(self) -> None:
-        """Write the final figures first, then stop the runtime.
+        """Write the final figures and log them first, then stop the runtime.
 
-        vLLM stops a worker by a signal and kills it a few seconds later (its executor waits 5 s,
-        its front-end gives the engine core 5 s): stopping the runtime may wait on a peer that
-        is already gone, so the final file is written before anything that can block, and
+        vLLM's server SIGKILLs workers about a second after a stop signal (its engine core gets
+        ``shutdown_timeout`` = 0 s): stopping the runtime may wait on a peer that is already
+        gone, so the final file and line come before anything that can block; the file is
         rewritten afterwards only if stopping changed a counter (an aborted rearrangement).
         """
         if self.closed:
@@ -283,7 +283,6 @@ class VllmEplbAdapter:
         if self._metrics is not None:
             self._refresh_digest()
             self._metrics.close(self.runtime.progress())
-        self.runtime.close()
         movement = self.runtime.metrics()["movement"]
         logger.info(
             "eplb-graph closing on EP rank %d: %d steps, %d rearrangements (%d aborted), "
@@ -295,6 +294,7 @@ class VllmEplbAdapter:
             movement["layers_committed"],
             self.settings.metrics_path or "off",
         )
+        self.runtime.close()
         if self._metrics is not None:
             self._refresh_digest()
             self._metrics.file.update(self.runtime.progress(), self.snapshot)
