@@ -248,9 +248,8 @@ def test_ctrl_c_leaves_every_rank_file_closed_with_the_final_counts(docs_server)
 def _assert_closed_with(run: dict) -> None:
     for rank, document in enumerate(run["files"]):
         assert document["closed"] is True, (rank, document, run["log"][-4000:])
-        # Who closed it (the worker, or the server after vLLM killed the worker) is logged.
-        closed_by = {"worker": f"closing on EP rank {rank}", "server": f"rank{rank}.json"}
-        assert closed_by[document["closed_by"]] in run["log"], (document, run["log"][-4000:])
+        # The worker itself, or the server after vLLM killed the worker first (both happen).
+        assert document["closed_by"] in ("worker", "server"), document
         for key, per_rank in run["final"].items():
             assert document[key] == per_rank[str(rank)], (key, rank, document, per_rank)
     assert run["final"]["steps"]["0"] >= MAX_TOKENS
