@@ -36,13 +36,14 @@ def _read(directory, rank: int) -> dict:
     return json.loads(rank_file(directory, rank).read_text())
 
 
-def test_only_open_files_of_ended_writers_are_marked(tmp_path):
+def test_only_open_files_of_ended_writers_are_marked(tmp_path, caplog):
     ended = _ended_pid()
     _write(tmp_path, 0, closed=False, pid=ended)
     _write(tmp_path, 1, closed=False, pid=os.getpid())  # alive: its writer's to close
     _write(tmp_path, 2, closed=True, closed_by="worker", pid=ended)
     _write(tmp_path, 3, closed=False)  # no pid: written by an older plugin, left alone
     started = time.monotonic()
+    caplog.set_level("INFO", logger="eplb_graph")
     marked = closing.mark_closed({str(tmp_path)}, wait_s=0.3)
     assert time.monotonic() - started < 5
     assert marked == [rank_file(tmp_path, 0)]
@@ -56,6 +57,8 @@ def test_only_open_files_of_ended_writers_are_marked(tmp_path):
     assert _read(tmp_path, 1)["closed"] is False
     assert _read(tmp_path, 2)["closed_by"] == "worker"
     assert _read(tmp_path, 3)["closed"] is False
+    assert "1 worker(s) before they wrote their final metrics" in caplog.text
+    assert str(rank_file(tmp_path, 0)) in caplog.text
 
 
 def test_a_missing_or_unreadable_directory_marks_nothing(tmp_path):

@@ -73,6 +73,9 @@ def mark_closed(directories: set[str] | None = None, wait_s: float = WAIT_S) -> 
                 continue
             marked.append(path)
     if marked:
+        from eplb_graph.integrations.vllm.install import log_through_vllm
+
+        log_through_vllm()  # the API server configured vLLM's logging after loading plugins
         logger.info(
             "eplb-graph: vLLM stopped %d worker(s) before they wrote their final metrics; "
             "their last figures are marked closed: %s",

@@ -35,7 +35,7 @@ def install() -> None:
     from vllm.platforms import current_platform
 
     on_cpu = current_platform.is_cpu()
-    _log_through_vllm()
+    log_through_vllm()
     if on_cpu:
         compat.check_vllm()
         gate.install()
@@ -49,13 +49,14 @@ def install() -> None:
     logger.debug("eplb-graph vLLM plugin installed (CPU platform: %s)", on_cpu)
 
 
-def _log_through_vllm() -> None:
+def log_through_vllm() -> None:
     """Send eplb-graph's INFO lines where vLLM's go (its handlers, every process).
 
     vLLM configures handlers on its own ``vllm`` logger only; without this, the attach and
     rearrangement lines of eplb-graph would be dropped in every worker. Nothing is changed
     when the application configured ``eplb_graph`` or the root logger itself, or when vLLM's
-    logging is off (``VLLM_CONFIGURE_LOGGING=0``: no handlers to borrow).
+    logging is off (``VLLM_CONFIGURE_LOGGING=0``: no handlers to borrow). The API server loads
+    plugins before it configures vLLM's logging, so code logging there later calls this again.
     """
     ours, theirs = logging.getLogger("eplb_graph"), logging.getLogger("vllm")
     if ours.handlers or logging.getLogger().handlers or not theirs.handlers:
