@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from eplb_graph.integrations.vllm import compat
+from eplb_graph.integrations.vllm.logs import log_through_vllm
 from eplb_graph.integrations.vllm.metrics import write_atomically
 
 logger = logging.getLogger(__name__)
@@ -73,8 +74,6 @@ def mark_closed(directories: set[str] | None = None, wait_s: float = WAIT_S) -> 
                 continue
             marked.append(path)
     if marked:
-        from eplb_graph.integrations.vllm.install import log_through_vllm
-
         log_through_vllm()  # the API server configured vLLM's logging after loading plugins
         logger.info(
             "eplb-graph: vLLM stopped %d worker(s) before they wrote their final metrics; "

@@ -20,6 +20,7 @@ from eplb_graph.integrations.vllm import (
     llama4_loading,
     routing,
 )
+from eplb_graph.integrations.vllm.logs import log_through_vllm
 from eplb_graph.integrations.vllm.options import PREFIX
 
 logger = logging.getLogger(__name__)
@@ -47,25 +48,6 @@ def install() -> None:
     _install_engine_config_check(on_cpu)
     _installed = True
     logger.debug("eplb-graph vLLM plugin installed (CPU platform: %s)", on_cpu)
-
-
-def log_through_vllm() -> None:
-    """Send eplb-graph's INFO lines where vLLM's go (its handlers, every process).
-
-    vLLM configures handlers on its own ``vllm`` logger only; without this, the attach and
-    rearrangement lines of eplb-graph would be dropped in every worker. Nothing is changed
-    when the application configured ``eplb_graph`` or the root logger itself, or when vLLM's
-    logging is off (``VLLM_CONFIGURE_LOGGING=0``: no handlers to borrow). The API server loads
-    plugins before it configures vLLM's logging, so code logging there later calls this again.
-    """
-    ours, theirs = logging.getLogger("eplb_graph"), logging.getLogger("vllm")
-    if ours.handlers or logging.getLogger().handlers or not theirs.handlers:
-        return
-    for handler in theirs.handlers:
-        ours.addHandler(handler)
-    if ours.level == logging.NOTSET:
-        ours.setLevel(logging.INFO)
-    ours.propagate = False
 
 
 def _install_runner_hooks() -> None:
