@@ -124,6 +124,13 @@ def _final_counts(samples: dict) -> dict[str, dict[str, float]]:
     return {key: samples[name] for key, name in keys.items()}
 
 
+def _show_times(name: str, run: dict) -> None:
+    """The wall times, for the CI budget (``pytest -s`` shows them)."""
+    times = {k: round(v, 1) for k, v in run.items() if k.endswith("_s") and v is not None}
+    closed_by = [document.get("closed_by") for document in run["files"]]
+    print(f"\n{name}: {times}, files closed by {closed_by}")
+
+
 @pytest.fixture(scope="module")
 def quickstart(tmp_path_factory):
     """README's quick start, served, watched for its first rearrangement, stopped by SIGTERM."""
@@ -159,6 +166,7 @@ def quickstart(tmp_path_factory):
     result["log"] = server.log()
     result["files"] = rank_files(cwd / "eplb-metrics")
     result["total_s"] = time.monotonic() - started
+    _show_times("quickstart", result)
     return result
 
 
@@ -192,6 +200,7 @@ def docs_server(tmp_path_factory, quickstart):
     result["log"] = server.log()
     result["files"] = rank_files(cwd / "eplb-metrics")
     result["total_s"] = time.monotonic() - started
+    _show_times("docs_server", result)
     return result
 
 
