@@ -11,9 +11,9 @@ its first line:
 
 Shell blocks (``bash``) are not run here: the README's install and suite commands install
 packages, and the others start servers or long jobs (the user guide's V2 command line is parsed
-by tests/test_config_cli_args.py, docs/vllm.md's server command runs in
-tests/test_vllm_engine.py). The two-rank integration example runs below in both modes, async
-(its default) and ``--sync``, spawned as the user guide shows. Every run is a separate
+by tests/test_config_cli_args.py; README.md's vLLM quick start and docs/vllm.md's server blocks
+run in tests/test_vllm_server.py). The two-rank integration example runs below in both modes,
+async (its default) and ``--sync``, spawned as the user guide shows. Every run is a separate
 interpreter, all started at once when the module's first test asks: each run is mostly
 interpreter start-up and the torch import, so they overlap well.
 """

@@ -139,6 +139,7 @@ LLAMA4_LOAD_EXPERTS = PatchTarget(
         "fused",
     ),
 )
+ENGINE_PROCS_SHUTDOWN = PatchTarget("vllm.v1.engine.utils", "shutdown", ("procs", "timeout"))
 TARGETS = (
     ROUTING_HOOK,
     CPU_EXPERTS_APPLY,
@@ -151,6 +152,7 @@ TARGETS = (
     CPU_INT8_EXPERTS_APPLY,
     CPU_INT8_EXPERTS_DEVICE,
     W8A8_INT8_SUPPORTS_EPLB,
+    ENGINE_PROCS_SHUTDOWN,
 )
 
 _PLATFORM_GATE_MODULE = "vllm.config.parallel"

@@ -14,6 +14,7 @@ import functools
 import logging
 
 from eplb_graph.integrations.vllm import (
+    closing,
     compat,
     expert_parallel,
     gate,
@@ -21,6 +22,7 @@ from eplb_graph.integrations.vllm import (
     quantized,
     routing,
 )
+from eplb_graph.integrations.vllm.logs import log_through_vllm
 from eplb_graph.integrations.vllm.options import PREFIX
 
 logger = logging.getLogger(__name__)
@@ -37,7 +39,7 @@ def install() -> None:
 
     on_cpu = current_platform.is_cpu()
     on_ascend = _is_ascend(current_platform)
-    _log_through_vllm()
+    log_through_vllm()
     if on_ascend:
         from eplb_graph.integrations import vllm_ascend
 
@@ -50,6 +52,7 @@ def install() -> None:
         llama4_loading.install()
         quantized.install()
         _install_runner_hooks()
+        closing.install()
     _install_engine_config_check(on_cpu or on_ascend)
     _installed = True
     logger.debug("eplb-graph vLLM plugin installed (CPU platform: %s)", on_cpu)
@@ -58,24 +61,6 @@ def install() -> None:
 def _is_ascend(platform: object) -> bool:
     """vllm-ascend's platform (device type ``npu``)."""
     return getattr(platform, "device_type", None) == "npu"
-
-
-def _log_through_vllm() -> None:
-    """Send eplb-graph's INFO lines where vLLM's go (its handlers, every process).
-
-    vLLM configures handlers on its own ``vllm`` logger only; without this, the attach and
-    rearrangement lines of eplb-graph would be dropped in every worker. Nothing is changed
-    when the application configured ``eplb_graph`` or the root logger itself, or when vLLM's
-    logging is off (``VLLM_CONFIGURE_LOGGING=0``: no handlers to borrow).
-    """
-    ours, theirs = logging.getLogger("eplb_graph"), logging.getLogger("vllm")
-    if ours.handlers or logging.getLogger().handlers or not theirs.handlers:
-        return
-    for handler in theirs.handlers:
-        ours.addHandler(handler)
-    if ours.level == logging.NOTSET:
-        ours.setLevel(logging.INFO)
-    ours.propagate = False
 
 
 def _install_runner_hooks() -> None:
@@ -128,6 +113,7 @@ def _install_engine_config_check(supported: bool) -> None:
         settings = eplb_settings(config)
         if settings is not None and settings.metrics_path is not None:
             register_prometheus_collector(settings.metrics_path)
+            closing.watch(settings.metrics_path)
         return config
 
     setattr(owner, name, create_engine_config_checked)

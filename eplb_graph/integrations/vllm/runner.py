@@ -17,6 +17,7 @@ and only EP rank 0 records load (every rank would count the same tokens).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from typing import Any
@@ -292,13 +293,24 @@ class VllmEplbAdapter:
                 if self.weight_digests is not None
                 else {}
             ),
+            "closed_by": "worker" if self.closed else None,
+            "pid": os.getpid(),
         }
 
     def close(self) -> None:
+        """Write the final figures and log them first, then stop the runtime.
+
+        vLLM's server SIGKILLs workers about a second after a stop signal (its engine core gets
+        ``shutdown_timeout`` = 0 s): stopping the runtime may wait on a peer that is already
+        gone, so the final file and line come before anything that can block; the file is
+        rewritten afterwards only if stopping changed a counter (an aborted rearrangement).
+        """
         if self.closed:
             return
-        self.runtime.close()
         self.closed = True
+        if self._metrics is not None:
+            self._refresh_digest()
+            self._metrics.close(self.runtime.progress())
         movement = self.runtime.metrics()["movement"]
         logger.info(
             "eplb-graph closing on EP rank %d: %d steps, %d rearrangements (%d aborted), "
@@ -310,9 +322,10 @@ class VllmEplbAdapter:
             movement["layers_committed"],
             self.settings.metrics_path or "off",
         )
+        self.runtime.close()
         if self._metrics is not None:
             self._refresh_digest()
-            self._metrics.close(self.runtime.progress())
+            self._metrics.file.update(self.runtime.progress(), self.snapshot)
 
 
 def _summary(seconds) -> dict[str, float | int | None]:
