@@ -31,7 +31,12 @@ from eplb_graph.integrations.vllm.metrics import (
     compile_counters,
     placement_digest,
 )
-from eplb_graph.integrations.vllm.settings import VllmEplbSettings, eplb_settings
+from eplb_graph.integrations.vllm.settings import (
+    VllmEplbSettings,
+    eplb_settings,
+    staging_budget_config_error,
+)
+from eplb_graph.movement.staging import StagingBudgetError
 from eplb_graph.movement.transport import GroupRing
 from eplb_graph.movement.views import make_expert_view
 from eplb_graph.placement import Placement
@@ -386,19 +391,22 @@ def attach(runner: Any) -> VllmEplbAdapter:
     views = _weight_views(model)
     _bind_stats(model, state)
     groups = GroupRing(GROUP_RING_SIZE, timeout_s=GROUP_TIMEOUT_S, ranks=list(group.ranks))
-    if settings.expert_map is not None:
-        _move_to(settings, state, views, groups, ep_rank, settings.expert_map)
-    runtime = EplbRuntime(
-        state,
-        views,
-        settings.control,
-        groups,
-        ep_rank,
-        use_async=settings.use_async,
-        movement=settings.movement,
-        record_map_path=settings.record_map_path,
-        record_load=ep_rank == 0,
-    )
+    try:
+        if settings.expert_map is not None:
+            _move_to(settings, state, views, groups, ep_rank, settings.expert_map)
+        runtime = EplbRuntime(
+            state,
+            views,
+            settings.control,
+            groups,
+            ep_rank,
+            use_async=settings.use_async,
+            movement=settings.movement,
+            record_map_path=settings.record_map_path,
+            record_load=ep_rank == 0,
+        )
+    except StagingBudgetError as error:
+        raise staging_budget_config_error(error) from None
     adapter = VllmEplbAdapter(runner, runtime, settings, ep_rank, ep_size)
     runner.eplb_state = adapter
     runner._moe_model = model

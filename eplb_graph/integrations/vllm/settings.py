@@ -24,6 +24,7 @@ from eplb_graph.integrations.settings import (
 )
 from eplb_graph.integrations.vllm.options import PREFIX, SECTION, PluginOptions
 from eplb_graph.movement.settings import MovementSettings
+from eplb_graph.movement.staging import StagingBudgetError
 from eplb_graph.placement import Placement
 
 #: vLLM ``EPLBConfig`` fields eplb-graph implements (everything but migration batching).
@@ -95,15 +96,33 @@ def eplb_settings(
     _check_policy_options(control, resolved)
     return VllmEplbSettings(
         control=control,
-        movement=MovementSettings(
-            layers_per_step=options.layers_per_step,
-            commit_margin_steps=options.commit_margin_steps,
-        ),
+        movement=_movement(options, num_layers),
         use_async=resolved.v2.use_async,
         num_redundant=resolved.num_redundant_experts,
         expert_map=expert_map,
         record_map_path=options.record_map_path,
         metrics_path=options.metrics_path,
+    )
+
+
+def _movement(options: PluginOptions, num_layers: int | None) -> MovementSettings:
+    movement = MovementSettings(
+        layers_per_step=options.layers_per_step,
+        commit_margin_steps=options.commit_margin_steps,
+        staging_budget_bytes=options.staging_budget_mib << 20,
+    )
+    return movement if num_layers is None else movement.for_layers(num_layers)
+
+
+def staging_budget_config_error(error: StagingBudgetError) -> ConfigError:
+    """The runtime's budget error in this section's words (MiB, the plugin's key names)."""
+    needed_mib = -(-error.needed // (1 << 20))
+    return ConfigError(
+        f"{PREFIX}.staging_budget_mib",
+        f"the staging blocks need {needed_mib} MiB ({error.blocks} blocks x 2 x "
+        f"{error.slots_per_rank} slots x {error.slot_nbytes} bytes per expert), more than the "
+        f"budget of {error.budget >> 20} MiB; lower {PREFIX}.layers_per_step or raise "
+        f"{PREFIX}.staging_budget_mib to at least {needed_mib}",
     )
 
 
