@@ -77,6 +77,35 @@ def test_a_metrics_path_that_is_a_file_is_refused(tmp_path):
         PluginOptions.from_section({"metrics_path": str(existing)})
 
 
+@pytest.mark.parametrize("where", ["/proc/eplb-graph-metrics", "/proc/self", "/sys/fs/eplbm"])
+def test_a_metrics_path_that_cannot_be_written_fails_at_start(monkeypatch, where):
+    """``os.access`` says yes to root everywhere (emulated here for other users): the check
+    must really write, as the workers will, or they die on their first write minutes later."""
+    from eplb_graph.integrations.settings import paths
+
+    monkeypatch.setattr(paths.os, "access", lambda *args, **kwargs: True)
+    with pytest.raises(ConfigError, match="cannot (write in|create) directory") as info:
+        PluginOptions.from_section({"metrics_path": where})
+    assert info.value.field == f"{PREFIX}.metrics_path"
+
+
+def test_a_writable_metrics_path_is_created_and_left_clean(tmp_path):
+    target = tmp_path / "metrics"
+    PluginOptions.from_section({"metrics_path": str(target)})
+    assert target.is_dir() and list(target.iterdir()) == []  # the probe file is gone
+    PluginOptions.from_section({"record_map_path": str(tmp_path / "plans.json")})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics"]
+
+
+def test_a_symlink_loop_as_the_map_is_called_a_loop(tmp_path):
+    loop = tmp_path / "map.json"
+    loop.symlink_to(tmp_path / "other.json")
+    (tmp_path / "other.json").symlink_to(loop)
+    with pytest.raises(ConfigError, match="a symlink loop") as info:
+        PluginOptions.from_section({"expert_map_path": str(loop)})
+    assert "does not exist" not in str(info.value)
+
+
 # -- the CPU expert-parallel fix ------------------------------------------------------------------
 
 
