@@ -84,7 +84,7 @@ def test_a_metrics_path_that_cannot_be_written_fails_at_start(monkeypatch, where
     from eplb_graph.integrations.settings import paths
 
     monkeypatch.setattr(paths.os, "access", lambda *args, **kwargs: True)
-    with pytest.raises(ConfigError, match="cannot (write in|create) directory") as info:
+    with pytest.raises(ConfigError, match=r"cannot (write in|create) directory") as info:
         PluginOptions.from_section({"metrics_path": where})
     assert info.value.field == f"{PREFIX}.metrics_path"
 
@@ -356,6 +356,56 @@ def test_bad_settings_fail_when_vllm_builds_its_config(engine_args, overrides, f
     with pytest.raises(ConfigError, match=reason) as info:
         engine_args(**overrides).create_engine_config()
     assert info.value.field == field
+
+
+@pytest.mark.vllm
+def test_the_models_shape_is_checked_where_vllm_builds_its_config(engine_args, tmp_path):
+    """The tiny model has 2 MoE layers: a 3-layer map fails before any worker starts, and a
+    layers_per_step beyond the model is capped there already."""
+    from eplb_graph import Placement
+    from eplb_graph.integrations.vllm.settings import eplb_settings
+    from eplb_graph.models.tiny_qwen3_moe import NUM_EXPERTS
+
+    path = tmp_path / "three_layers.json"
+    Placement.default(3, NUM_EXPERTS, 2, 2).save_expert_map(path)
+    with pytest.raises(ConfigError, match="the map has 3 MoE layers, the model 2") as info:
+        engine_args(
+            additional_config={"eplb_graph": {"expert_map_path": str(path)}}
+        ).create_engine_config()
+    assert info.value.field == f"{PREFIX}.expert_map_path"
+    config = engine_args(
+        additional_config={"eplb_graph": {"layers_per_step": 65536}}
+    ).create_engine_config()
+    assert eplb_settings(config).movement.layers_per_step == 2
+
+
+def test_moe_layer_counts_follow_each_familys_rule():
+    from eplb_graph.integrations.vllm.model_shape import hidden_layer_count, moe_layer_count
+
+    def model(**fields):
+        return types.SimpleNamespace(hf_text_config=types.SimpleNamespace(**fields))
+
+    qwen = model(
+        model_type="qwen3_moe",
+        num_hidden_layers=6,
+        num_experts=8,
+        decoder_sparse_step=2,
+        mlp_only_layers=[3],
+    )
+    assert moe_layer_count(qwen) == 2  # layers 1 and 5 (3 is dense by mlp_only_layers)
+    deepseek = model(
+        model_type="deepseek_v3",
+        num_hidden_layers=61,
+        n_routed_experts=256,
+        first_k_dense_replace=3,
+        moe_layer_freq=1,
+    )
+    assert moe_layer_count(deepseek) == 58
+    llama4 = model(model_type="llama4_text", num_hidden_layers=48, interleave_moe_layer_step=2)
+    assert moe_layer_count(llama4) == 24
+    assert moe_layer_count(model(model_type="mixtral", num_hidden_layers=32)) == 32
+    unknown = model(model_type="something_new", num_hidden_layers=7)
+    assert moe_layer_count(unknown) is None and hidden_layer_count(unknown) == 7
 
 
 def test_the_background_writer_writes_off_the_calling_thread_and_flushes_at_close(tmp_path):

@@ -22,6 +22,7 @@ from eplb_graph.integrations.settings import (
     control_settings_from_v2,
     resolve_eplb_config,
 )
+from eplb_graph.integrations.vllm.model_shape import hidden_layer_count, moe_layer_count
 from eplb_graph.integrations.vllm.options import PREFIX, SECTION, PluginOptions
 from eplb_graph.movement.settings import MovementSettings
 from eplb_graph.movement.staging import StagingBudgetError
@@ -62,7 +63,10 @@ def eplb_settings(
 ) -> VllmEplbSettings | None:
     """Validate every EPLB setting of ``vllm_config``; ``None`` when EPLB is off.
 
-    ``num_layers`` (known in workers) also checks an expert map's layer count.
+    ``num_layers`` (the loaded model's, in workers) checks an expert map's layer count and caps
+    ``layers_per_step``. Without it (where vLLM builds its config) the count comes from the
+    model's configuration when its family is known (``model_shape``), else only the decoder
+    layer count bounds the map.
 
     Raises:
         ConfigError: naming the first invalid setting and how to fix it.
@@ -92,7 +96,10 @@ def eplb_settings(
         raise ConfigError("enable_eplb", f"resolved to the {resolved.path.value} path")
     control = control_settings_from_v2(resolved.v2, num_groups=num_expert_groups)
     control = _with_options(control, options, additional)
-    expert_map = _expert_map(options, resolved, num_layers)
+    model_config = vllm_config.model_config
+    if num_layers is None:
+        num_layers = moe_layer_count(model_config)
+    expert_map = _expert_map(options, resolved, num_layers, hidden_layer_count(model_config))
     _check_policy_options(control, resolved)
     return VllmEplbSettings(
         control=control,
@@ -178,7 +185,9 @@ def _with_options(
     return dataclasses.replace(control, **changes)
 
 
-def _expert_map(options: PluginOptions, resolved, num_layers: int | None) -> Placement | None:
+def _expert_map(
+    options: PluginOptions, resolved, num_layers: int | None, max_layers: int | None
+) -> Placement | None:
     """The starting map, validated against the model (N, EP size, redundancy, layers)."""
     if options.expert_map_path is None:
         return None
@@ -208,6 +217,12 @@ def _expert_map(options: PluginOptions, resolved, num_layers: int | None) -> Pla
             field,
             f"the map has {placement.num_layers} MoE layers, the model {num_layers}; use a map "
             "recorded for this model",
+        )
+    if max_layers is not None and placement.num_layers > max_layers:
+        raise ConfigError(
+            field,
+            f"the map has {placement.num_layers} MoE layers, more than the model's "
+            f"{max_layers} decoder layers; use a map recorded for this model",
         )
     return placement
 
