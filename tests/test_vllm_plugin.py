@@ -408,6 +408,39 @@ def test_moe_layer_counts_follow_each_familys_rule():
     assert moe_layer_count(unknown) is None and hidden_layer_count(unknown) == 7
 
 
+def test_a_metrics_directory_deleted_while_serving_is_created_again(tmp_path):
+    import shutil
+
+    from eplb_graph.integrations.vllm.metrics import RankMetricsFile
+
+    directory = tmp_path / "metrics"
+    file = RankMetricsFile(str(directory), 0)
+    shutil.rmtree(directory)
+    assert file.update((1,), lambda: {"steps": 1}) is True
+    assert json.loads((directory / "rank0.json").read_text())["steps"] == 1
+
+
+def test_metrics_write_failures_warn_once_per_interval_with_a_count(tmp_path, monkeypatch, caplog):
+    import shutil
+
+    from eplb_graph.integrations.vllm import metrics
+
+    clock = [1000.0]
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: clock[0])
+    directory = tmp_path / "metrics"
+    file = metrics.RankMetricsFile(str(directory), 0)
+    shutil.rmtree(directory)
+    directory.write_text("")  # a file where the directory was: it cannot be created again
+    with caplog.at_level("WARNING", logger=metrics.logger.name):
+        for step in range(100):
+            assert file.update((step,), lambda: {}) is False
+        assert len(caplog.records) == 1 and "cannot write metrics" in caplog.records[0].message
+        clock[0] += metrics.WARN_INTERVAL_S
+        file.update((100,), lambda: {})
+    assert len(caplog.records) == 2
+    assert "99 more like this in the last 60 s were not logged" in caplog.records[1].message
+
+
 def test_the_background_writer_writes_off_the_calling_thread_and_flushes_at_close(tmp_path):
     import threading
     import time

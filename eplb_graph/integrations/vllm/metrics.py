@@ -66,13 +66,49 @@ def compile_counters() -> dict[str, int]:
     }
 
 
+WARN_INTERVAL_S = 60.0
+"""At most one warning per this many seconds about metrics that could not be written."""
+
+
+class RateLimitedWarning:
+    """One WARNING line per ``interval_s``; the next line says how many were held back.
+
+    A metrics directory deleted under a server would otherwise log a line at every refresh of
+    every rank (hundreds a second): monitoring must neither take serving down nor flood its log.
+    """
+
+    def __init__(self, interval_s: float = WARN_INTERVAL_S) -> None:
+        self.interval_s = interval_s
+        self._last: float | None = None
+        self._suppressed = 0
+        self._lock = threading.Lock()
+
+    def warn(self, message: str, *args: object) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if self._last is not None and now - self._last < self.interval_s:
+                self._suppressed += 1
+                return
+            suppressed, self._suppressed, self._last = self._suppressed, 0, now
+        if suppressed:
+            message += " (%d more like this in the last %.0f s were not logged)"
+            args = (*args, suppressed, self.interval_s)
+        logger.warning(message, *args)
+
+
 class RankMetricsFile:
-    """Keeps one rank's metrics file current (see the module docstring)."""
+    """Keeps one rank's metrics file current (see the module docstring).
+
+    A directory removed while serving is created again at the next write; failures that
+    persist are logged at most once per ``WARN_INTERVAL_S`` (:class:`RateLimitedWarning`).
+    """
 
     def __init__(self, directory: str, rank: int) -> None:
-        Path(directory).mkdir(parents=True, exist_ok=True)
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
         self.path = rank_file(directory, rank)
         self._last_progress: tuple | None = None
+        self.warnings = RateLimitedWarning()
 
     def update(
         self, progress: tuple, document: Callable[[], dict[str, Any]], *, force: bool = False
@@ -83,9 +119,13 @@ class RankMetricsFile:
             return False
         content = {**document(), "updated_unix_s": time.time()}
         try:
-            write_atomically(self.path, content)
+            try:
+                write_atomically(self.path, content)
+            except FileNotFoundError:  # the directory was removed while serving: recreate it
+                self.directory.mkdir(parents=True, exist_ok=True)
+                write_atomically(self.path, content)
         except OSError as error:  # monitoring must never take serving down
-            logger.warning("eplb-graph: cannot write metrics to %s: %s", self.path, error)
+            self.warnings.warn("eplb-graph: cannot write metrics to %s: %s", self.path, error)
             return False
         self._last_progress = progress
         return True
@@ -152,7 +192,7 @@ class BackgroundWriter:
             try:
                 self.file.update(progress, self.document)
             except Exception as error:  # monitoring must never take serving down
-                logger.warning("eplb-graph: metrics not written: %s", error)
+                self.file.warnings.warn("eplb-graph: metrics not written: %s", error)
 
 
 _COUNTERS = {
