@@ -230,7 +230,7 @@ MAP_WRITE_USAGE_ERRORS = [
     (["--trace", "{tmp}/missing.npz", "--ranks", "4"], "missing.npz"),
     (["--trace", "{trace}", "--ranks", "4", "--layers", "5"], "--layers 5 does not match"),
     (["--trace", "{trace}", "--ranks", "4", "--groups", "3"], "--groups 3"),
-    (["--trace", "{trace}", "--ranks", "4", "--redundant", "8"], "lower --redundant"),
+    (["--trace", "{trace}", "--ranks", "1", "--redundant", "8"], "lower --redundant"),
 ]
 
 
@@ -249,6 +249,41 @@ def test_map_write_shape_errors_are_one_line_exit_2_and_write_nothing(
     assert status == 2, err
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert mentions in err, err
+    assert not out.exists()
+
+
+def test_map_write_and_simulate_follow_one_replica_rule(tmp_path, capsys):
+    """The default policy alone gives a hot expert 3 copies on 2 ranks, which no expert map can
+    hold; both commands take the capped plan on the same setup, and both refuse a shape that
+    forces two copies onto one rank, for the same reason."""
+    from eplb_graph.map_command import trace_total_load
+    from eplb_graph.placement import Placement
+    from eplb_graph.policy.registry import get_policy, normalize_weight
+    from eplb_graph.simulate.trace import TraceSpec, generate_trace, save_trace
+
+    trace, out = tmp_path / "skewed.npz", tmp_path / "map.json"
+    spec = TraceSpec(num_layers=2, num_experts=16, top_k=2, num_steps=200, skew=1.5, seed=1)
+    save_trace(generate_trace(spec), trace)
+    raw = get_policy("default")(normalize_weight(trace_total_load(str(trace))), 18, 1, 1, 2, None)
+    assert int(torch.bincount(raw[0]).max()) > 2  # the setup does exercise the rule
+    simulate = ["simulate", "--trace", str(trace), "--policy", "default", "--no-progress"]
+    simulate += ["--window-size", "50", "--step-interval", "50"]
+    write = ["map", "write", str(out), "--trace", str(trace)]
+    assert cli.main([*write, "--ranks", "2", "--redundant", "2"]) == 0, capsys.readouterr().err
+    assert Placement.load_expert_map(out, num_logical=16).max_replica_count() <= 2
+    assert cli.main([*simulate, "--ranks", "2", "--num-redundant", "2"]) == 0
+    capsys.readouterr()
+    out.unlink()
+    reasons = []
+    for argv in (
+        [*write, "--ranks", "2", "--redundant", "18"],
+        [*simulate, "--ranks", "2", "--num-redundant", "18"],
+    ):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1, err
+        reasons.append(err.split(": ", 2)[-1].split("; lower")[0])
+    assert reasons[0] == reasons[1] and "second copy of some expert on one rank" in reasons[0]
     assert not out.exists()
 
 

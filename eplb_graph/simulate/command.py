@@ -24,6 +24,7 @@ from eplb_graph.control import ControlSettings
 from eplb_graph.errors import EplbError
 from eplb_graph.placement import Placement
 from eplb_graph.policy import get_policy, rebalance
+from eplb_graph.policy.replica_cap import replica_room_problem
 from eplb_graph.progress import NO_PROGRESS_HELP
 from eplb_graph.simulate.simulator import ClusterShape, SimulationReport, plot_reports, simulate
 from eplb_graph.simulate.trace import LoadTrace, TraceSpec, generate_trace, load_trace
@@ -182,7 +183,9 @@ def _load_or_generate(args: argparse.Namespace) -> LoadTrace:
 def check_cluster(trace: LoadTrace, cluster: ClusterShape, policies: list[str]) -> None:
     """Refuse a cluster shape the replay would fail on at its first rebalance (UsageError).
 
-    The slots must split evenly over the ranks (the placement's own rule), and each policy must
+    The slots must split evenly over the ranks (the placement's own rule), hold at most one copy
+    of an expert per rank (``map write``'s rule too: what is simulated can be written), and each
+    policy must
     accept the shape: each plans one layer of skewed load from the initial placement here, so
     its own rules (the ``default`` policy's groups and nodes, for one) apply before the run.
     """
@@ -194,6 +197,14 @@ def check_cluster(trace: LoadTrace, cluster: ClusterShape, policies: list[str]) 
         f"({cluster.num_redundant})",
         error=UsageError,
     )
+    # The one replica rule, shared with ``map write``: no shape that forces two copies of an
+    # expert onto one rank (every policy's plan keeps to it when the shape has room).
+    problem = replica_room_problem(trace.num_experts, num_slots, cluster.num_ranks)
+    if problem is not None:
+        raise UsageError(
+            f"--ranks {cluster.num_ranks}, --num-redundant {cluster.num_redundant}: {problem}; "
+            "lower --num-redundant or raise --ranks"
+        )
     placement = Placement.default(1, trace.num_experts, cluster.num_redundant, cluster.num_ranks)
     skewed = torch.arange(trace.num_experts, 0, -1, dtype=torch.float64).unsqueeze(0)
     for policy in policies:
