@@ -10,8 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-
-import torch
+from typing import TYPE_CHECKING
 
 from eplb_graph.cli_support import (
     UsageError,
@@ -22,6 +21,9 @@ from eplb_graph.cli_support import (
     write_text_atomically,
 )
 from eplb_graph.errors import EplbError
+
+if TYPE_CHECKING:
+    import torch
 
 VALIDATE = "eplb-graph map validate"
 WRITE = "eplb-graph map write"
@@ -80,6 +82,7 @@ def validate(args: argparse.Namespace) -> int:
 def trace_total_load(path: str) -> torch.Tensor:
     """A trace's logical load summed over all its steps, ``[L, N]`` float64."""
     import numpy as np
+    import torch
 
     from eplb_graph.simulate.trace import load_trace
 

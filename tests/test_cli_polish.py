@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -306,3 +307,86 @@ def test_info_says_what_the_native_kernel_status_means(status, monkeypatch, tmp_
     assert json.loads(path.read_text())["native_note"] in note
     if status == "pending":
         assert "not built yet" in note and "eplb-graph info --build-native" in note
+
+
+# -- the command line answers without torch --------------------------------------------------------
+
+_WITHOUT_TORCH = """
+import sys, time
+started = time.perf_counter()
+from eplb_graph import cli
+try:
+    cli.main(sys.argv[1:])
+except SystemExit as exit_:
+    status = exit_.code
+sys.stderr.write(f"\\nSTATUS {status} TORCH {'torch' in sys.modules} SECONDS "
+                 f"{time.perf_counter() - started:.3f}\\n")
+"""
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--help"],
+        ["simulate", "--help"],
+        ["demo", "--help"],
+        ["map", "write", "--help"],
+        ["checkpoint", "--help"],
+        ["simulate", "--ranks", "abc"],  # usage errors, from every level
+        ["demo", "--format", "int3"],
+        ["map", "write", "out.json", "--layers", "0", "--ranks", "2"],
+        ["nonsense"],
+        [],
+    ],
+)
+def test_help_and_usage_errors_do_not_import_torch(argv):
+    """Importing torch takes seconds; ``--help`` or a typo must answer well under one."""
+    timings = []
+    for _ in range(2):  # the better of two runs: the machine may be busy
+        started = time.perf_counter()
+        result = subprocess.run(
+            [sys.executable, "-c", _WITHOUT_TORCH, *argv],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            timeout=120,
+        )
+        timings.append(time.perf_counter() - started)
+        last = result.stderr.strip().splitlines()[-1]
+        assert last.startswith("STATUS ") and " TORCH False " in last, result.stderr
+        assert last.split()[1] == ("0" if "--help" in argv else "2"), result.stderr
+    assert min(timings) < 1.0, timings
+
+
+def test_importing_the_package_first_still_registers_the_ops_when_torch_comes():
+    """``import eplb_graph`` no longer imports torch, yet ``torch.ops.eplb_graph.*`` is there
+    as soon as torch is, in either import order, and every public name still resolves."""
+    code = """
+import sys
+import time
+import eplb_graph
+assert "torch" not in sys.modules
+import torch
+assert callable(torch.ops.eplb_graph.map_and_record)
+for name in eplb_graph.__all__:
+    getattr(eplb_graph, name)
+from eplb_graph import Placement, EplbRuntime, policy
+assert policy.rebalance and Placement.default(1, 4, 0, 2).num_slots == 4
+print("ok")
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=300,
+    )
+    assert result.stdout == "ok\n", result.stderr
+
+
+def test_the_built_in_policy_list_is_the_registry():
+    from eplb_graph.cli_support import BUILT_IN_POLICIES
+
+    assert list(BUILT_IN_POLICIES) == policy_names()
