@@ -441,6 +441,34 @@ def test_metrics_write_failures_warn_once_per_interval_with_a_count(tmp_path, mo
     assert "99 more like this in the last 60 s were not logged" in caplog.records[1].message
 
 
+def test_compile_figures_are_reported_only_for_a_compiled_model():
+    """An eager engine's Dynamo counters count other torch.compile users of the worker (2 graphs
+    against 0 at the first step read as a recompile): it reports no graph figures."""
+    from eplb_graph.integrations.vllm.metrics import (
+        compile_counters,
+        compile_figures,
+        model_is_compiled,
+    )
+
+    def config(eager, mode):
+        return types.SimpleNamespace(
+            model_config=types.SimpleNamespace(enforce_eager=eager),
+            compilation_config=types.SimpleNamespace(mode=mode),
+        )
+
+    assert not model_is_compiled(config(True, 3)) and not model_is_compiled(config(False, 0))
+    assert model_is_compiled(config(False, 3))
+    at_first_step = compile_counters()["unique_graphs"]
+    assert compile_figures(True, at_first_step)["recompiled_while_serving"] is False
+    torch.compile(lambda x: x + 1, backend="eager")(torch.ones(3))  # a graph after the start
+    compiled = compile_figures(True, at_first_step)
+    assert compiled["model_compiled"] and compiled["recompiled_while_serving"] is True
+    assert compiled["unique_graphs"] > compiled["unique_graphs_at_first_step"]
+    eager = compile_figures(False, None)
+    assert eager["model_compiled"] is False
+    assert all(eager[key] is None for key in eager if key != "model_compiled")
+
+
 def test_the_background_writer_writes_off_the_calling_thread_and_flushes_at_close(tmp_path):
     import threading
     import time

@@ -96,6 +96,43 @@ class RateLimitedWarning:
         logger.warning(message, *args)
 
 
+def compile_figures(model_compiled: bool, graphs_at_first_step: int | None) -> dict[str, Any]:
+    """The metrics file's ``compile`` entry.
+
+    Dynamo's counters are process-wide: in an eager engine (``enforce_eager``, compilation mode
+    NONE) they count whatever else in the worker calls ``torch.compile`` on first use (helpers of
+    vLLM's, after the first step), never the model. Reported there, "2 graphs now, 0 at the
+    first step" reads as a recompile of the model that never happened, so an eager engine says
+    ``model_compiled: false`` and reports no graph figures (``null``). In a compiled engine,
+    ``recompiled_while_serving`` says whether graphs were added after the first served step.
+    """
+    if not model_compiled:
+        return {
+            "model_compiled": False,
+            "unique_graphs": None,
+            "graph_breaks": None,
+            "unique_graphs_at_first_step": None,
+            "recompiled_while_serving": None,
+        }
+    counters = compile_counters()
+    recompiled = None
+    if graphs_at_first_step is not None:
+        recompiled = counters["unique_graphs"] > graphs_at_first_step
+    return {
+        "model_compiled": True,
+        **counters,
+        "unique_graphs_at_first_step": graphs_at_first_step,
+        "recompiled_while_serving": recompiled,
+    }
+
+
+def model_is_compiled(vllm_config: Any) -> bool:
+    """Whether vLLM compiles the model (any compilation mode but NONE, and not eager)."""
+    if getattr(vllm_config.model_config, "enforce_eager", False):
+        return False
+    return int(getattr(vllm_config.compilation_config, "mode", 0) or 0) != 0
+
+
 class RankMetricsFile:
     """Keeps one rank's metrics file current (see the module docstring).
 
