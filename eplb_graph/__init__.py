@@ -12,29 +12,44 @@ Importing this package registers ``torch.ops.eplb_graph.*`` (see ``eplb_graph.op
 - ``parse_cli_args``, ``resolve_eplb_config``, ``to_runtime_settings``: vLLM / vllm-ascend EPLB
   settings, validated once and turned into the settings objects above;
 - ``EplbError``: the base of every error the package raises on purpose.
+
+Why the names load lazily: importing torch takes seconds, and ``eplb-graph --help`` or a usage
+error must not pay them (nor must a process that only reads an expert-map summary). Each public
+name is imported on first use (module ``__getattr__``), and so is any submodule reached as an
+attribute (``eplb_graph.policy``). The ops still register whenever torch is there: at once if
+torch was imported first, else the moment torch is imported (``_ops_on_torch_import``), so
+``import eplb_graph`` followed by ``torch.ops.eplb_graph.map_and_record`` works in either order.
 """
 
 from __future__ import annotations
 
-from eplb_graph import ops as _ops  # noqa: F401  (registers torch.ops.eplb_graph)
-from eplb_graph.control.settings import ControlSettings
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+
 from eplb_graph.errors import EplbError
-from eplb_graph.expert_map import ExpertMapError
-from eplb_graph.integrations.settings import (
-    ConfigError,
-    EplbConfig,
-    LegacyEplbConfig,
-    parse_cli_args,
-    resolve_eplb_config,
-    to_runtime_settings,
-)
-from eplb_graph.movement.settings import MovementSettings
-from eplb_graph.movement.transport import GroupRing
-from eplb_graph.movement.views import make_expert_view, supported_formats
-from eplb_graph.placement import Placement
-from eplb_graph.runtime import EplbRuntime
-from eplb_graph.state import EplbState
-from eplb_graph.tables import PlacementError
+from eplb_graph.lazy_exports import lazy_exports
+
+#: Public name -> the module that defines it.
+_PUBLIC = {
+    "ConfigError": "eplb_graph.integrations.settings",
+    "ControlSettings": "eplb_graph.control.settings",
+    "EplbConfig": "eplb_graph.integrations.settings",
+    "EplbRuntime": "eplb_graph.runtime",
+    "EplbState": "eplb_graph.state",
+    "ExpertMapError": "eplb_graph.expert_map",
+    "GroupRing": "eplb_graph.movement.transport",
+    "LegacyEplbConfig": "eplb_graph.integrations.settings",
+    "MovementSettings": "eplb_graph.movement.settings",
+    "Placement": "eplb_graph.placement",
+    "PlacementError": "eplb_graph.tables",
+    "make_expert_view": "eplb_graph.movement.views",
+    "parse_cli_args": "eplb_graph.integrations.settings",
+    "resolve_eplb_config": "eplb_graph.integrations.settings",
+    "supported_formats": "eplb_graph.movement.views",
+    "to_runtime_settings": "eplb_graph.integrations.settings",
+}
 
 __all__ = [
     "ConfigError",
@@ -56,3 +71,44 @@ __all__ = [
     "to_runtime_settings",
 ]
 __version__ = "0.1.0"
+
+
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _PUBLIC)
+
+
+class _OpsOnTorchImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Registers ``torch.ops.eplb_graph`` right after ``torch`` itself finishes importing.
+
+    Used only when ``eplb_graph`` is imported before torch. It finds torch's spec with the other
+    finders, runs torch's own loader, then imports ``eplb_graph.ops``; it removes itself first,
+    so it acts once and never sees another module.
+    """
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "torch":
+            return None
+        self._remove()
+        spec = importlib.util.find_spec(fullname)  # the other finders (this one is gone)
+        if spec is None or spec.loader is None:
+            return spec
+        self._loader = spec.loader
+        spec.loader = self
+        return spec
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        module.__spec__.loader = module.__loader__ = self._loader  # torch's own, from now on
+        self._loader.exec_module(module)
+        importlib.import_module("eplb_graph.ops")
+
+    def _remove(self) -> None:
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+
+
+if "torch" in sys.modules:
+    from eplb_graph import ops as _ops  # noqa: F401  (registers torch.ops.eplb_graph)
+else:
+    sys.meta_path.insert(0, _OpsOnTorchImport())

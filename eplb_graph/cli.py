@@ -13,8 +13,6 @@ import logging
 import sys
 from collections.abc import Sequence
 
-import torch
-
 from eplb_graph.cli_support import (
     OneLineArgumentParser,
     UsageError,
@@ -52,6 +50,8 @@ NATIVE_MEANING = {
 
 def _info(args: argparse.Namespace) -> int:
     """Report the op library's state on this machine: where each device's calls go."""
+    import torch
+
     from eplb_graph import ops
     from eplb_graph.testing import available_graph_modes
 
@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_map_parser(commands)
 
-    from eplb_graph.audit.target import DEFAULT_TARGET
+    from eplb_graph.audit import DEFAULT_TARGET
 
     audit = commands.add_parser(
         "audit",

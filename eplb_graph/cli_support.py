@@ -98,15 +98,23 @@ def warn_if_window_capped(window_size: int, step_interval: int) -> None:
         )
 
 
+BUILT_IN_POLICIES = ("churn_aware", "default", "flash_lb", "random", "swift_balance")
+"""The policies ``eplb_graph.policy`` registers, sorted as ``policy_names()`` lists them (a test
+pins the two equal). Listed here because the registry imports torch, and ``--help`` must not."""
+
+
 def policy_metavar() -> str:
-    """``{name,...}`` of the registered policies, for an option's usage and help.
+    """``{name,...}`` of the policies, for an option's usage and help: the built-in ones, plus
+    any registered since, when the registry is already loaded.
 
     Not argparse ``choices``: an unknown name is refused by the policy registry itself
     (``UnknownPolicyError``, exit 2), whose message is the same wherever a policy is named.
     """
-    from eplb_graph.policy import policy_names
-
-    return "{" + ",".join(policy_names()) + "}"
+    names = set(BUILT_IN_POLICIES)
+    registry = sys.modules.get("eplb_graph.policy.registry")
+    if registry is not None:
+        names.update(registry.policy_names())
+    return "{" + ",".join(sorted(names)) + "}"
 
 
 def _integer(text: str) -> int:

@@ -10,8 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-
-import torch
+from typing import TYPE_CHECKING
 
 from eplb_graph.cli_support import (
     UsageError,
@@ -22,6 +21,9 @@ from eplb_graph.cli_support import (
     write_text_atomically,
 )
 from eplb_graph.errors import EplbError
+
+if TYPE_CHECKING:
+    import torch
 
 VALIDATE = "eplb-graph map validate"
 WRITE = "eplb-graph map write"
@@ -80,6 +82,7 @@ def validate(args: argparse.Namespace) -> int:
 def trace_total_load(path: str) -> torch.Tensor:
     """A trace's logical load summed over all its steps, ``[L, N]`` float64."""
     import numpy as np
+    import torch
 
     from eplb_graph.simulate.trace import load_trace
 
@@ -95,6 +98,7 @@ def _planned(args: argparse.Namespace):
     """The placement to write (checked; nothing written yet)."""
     from eplb_graph.placement import Placement
     from eplb_graph.policy import get_policy, rebalance
+    from eplb_graph.policy.replica_cap import replica_room_problem
     from eplb_graph.tables import check_slots_per_rank
 
     if args.policy is not None:
@@ -124,6 +128,14 @@ def _planned(args: argparse.Namespace):
         name=f"--ranks {args.ranks}: experts ({experts}) + --redundant ({args.redundant})",
         error=UsageError,
     )
+    # The one replica rule, shared with ``simulate``: no shape that forces two copies of an
+    # expert onto one device (every policy's plan keeps to it when the shape has room).
+    problem = replica_room_problem(experts, num_slots, args.ranks)
+    if problem is not None:
+        raise UsageError(
+            f"--ranks {args.ranks}, --redundant {args.redundant}: {problem}; lower --redundant "
+            "or raise --ranks"
+        )
     placement = Placement.default(layers, experts, args.redundant, args.ranks)
     if load is None:
         return placement
@@ -137,16 +149,7 @@ def _planned(args: argparse.Namespace):
             f"--policy {policy} cannot plan {experts} experts on {num_slots} slots over --ranks "
             f"{args.ranks}, --nodes {args.nodes}, --groups {args.groups}: {error}"
         ) from error
-    planned = Placement(phy2log, experts, args.ranks)
-    most = planned.max_replica_count()
-    if most > args.ranks:  # a duplicate on a device is then unavoidable
-        layer, expert = divmod(int(planned.replica_count().argmax()), experts)
-        raise UsageError(
-            f"--policy {policy} gave expert {expert} of layer {layer} {most} replicas, more than "
-            f"--ranks {args.ranks}, and an expert map holds at most one copy of an expert per "
-            "device: lower --redundant or raise --ranks"
-        )
-    return planned
+    return Placement(phy2log, experts, args.ranks)
 
 
 def write(args: argparse.Namespace) -> int:

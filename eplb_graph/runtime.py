@@ -38,7 +38,7 @@ from eplb_graph.movement.delivery import InstallNow, PublishAtAgreedStep
 from eplb_graph.movement.rebalance import FaultHook, Job, PlanJob, RebalancePipeline, WindowJob
 from eplb_graph.movement.scheduler import CommitScheduler
 from eplb_graph.movement.settings import MovementSettings
-from eplb_graph.movement.staging import LayerInstaller, StagingPool
+from eplb_graph.movement.staging import LayerInstaller, StagingPool, check_staging_budget
 from eplb_graph.movement.worker import MovementWorker
 from eplb_graph.state import EplbState
 
@@ -89,7 +89,9 @@ class EplbRuntime:
         self.views = list(views)
         self.rank = rank
         self.use_async = use_async
-        self.movement = movement or MovementSettings()
+        # Capped by the model (a chunk or block count beyond its layers is never used), and the
+        # staging memory checked against its budget before any of it is allocated.
+        self.movement = (movement or MovementSettings()).for_layers(state.num_layers)
         self.planner = planner or PolicyPlanner(
             control.policy,
             state.num_slots,
@@ -100,9 +102,12 @@ class EplbRuntime:
             control.min_gain_percent,
         )
         slot_nbytes = max(view.slot_nbytes for view in self.views)
-        self.pool = StagingPool(
-            self.movement.num_staging_blocks, state.num_slots // state.num_ranks, slot_nbytes
+        slots_per_rank = state.num_slots // state.num_ranks
+        blocks = self.movement.num_staging_blocks
+        check_staging_budget(
+            blocks, slots_per_rank, slot_nbytes, self.movement.staging_budget_bytes
         )
+        self.pool = StagingPool(blocks, slots_per_rank, slot_nbytes)
         self.installer = LayerInstaller(state, self.views, self.pool)
         self.clock = StepClock()
         lag = self.movement.exchange_timeout_s + self.movement.agree_timeout_s

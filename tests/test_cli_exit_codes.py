@@ -30,7 +30,7 @@ def nothing_runs(monkeypatch):
         raise AssertionError("the command started its run before rejecting its input")
 
     monkeypatch.setattr("eplb_graph.launch.spawn_ranks", refuse_to_run)
-    monkeypatch.setattr("eplb_graph.simulate.command.simulate", refuse_to_run)
+    monkeypatch.setattr("eplb_graph.simulate.simulator.simulate", refuse_to_run)
 
 
 def _exit_status_and_stderr(argv: list[str], capsys) -> tuple[int, str]:

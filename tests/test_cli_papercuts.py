@@ -50,7 +50,8 @@ def test_verbose_after_the_subcommand_logs_at_info(monkeypatch):
 def test_simulate_table_labels_its_byte_figure_cluster_wide(capsys):
     status = cli.main(
         ["simulate", "--layers", "2", "--experts", "8", "--top-k", "2", "--steps", "60",
-         "--ranks", "2", "--window-size", "20", "--step-interval", "20", "--no-progress"]
+         "--ranks", "2", "--num-redundant", "2", "--window-size", "20", "--step-interval", "20",
+         "--no-progress"]
     )  # fmt: skip
     assert status == 0
     out = capsys.readouterr().out

@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -230,7 +231,7 @@ MAP_WRITE_USAGE_ERRORS = [
     (["--trace", "{tmp}/missing.npz", "--ranks", "4"], "missing.npz"),
     (["--trace", "{trace}", "--ranks", "4", "--layers", "5"], "--layers 5 does not match"),
     (["--trace", "{trace}", "--ranks", "4", "--groups", "3"], "--groups 3"),
-    (["--trace", "{trace}", "--ranks", "4", "--redundant", "8"], "lower --redundant"),
+    (["--trace", "{trace}", "--ranks", "1", "--redundant", "8"], "lower --redundant"),
 ]
 
 
@@ -249,6 +250,41 @@ def test_map_write_shape_errors_are_one_line_exit_2_and_write_nothing(
     assert status == 2, err
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert mentions in err, err
+    assert not out.exists()
+
+
+def test_map_write_and_simulate_follow_one_replica_rule(tmp_path, capsys):
+    """The default policy alone gives a hot expert 3 copies on 2 ranks, which no expert map can
+    hold; both commands take the capped plan on the same setup, and both refuse a shape that
+    forces two copies onto one rank, for the same reason."""
+    from eplb_graph.map_command import trace_total_load
+    from eplb_graph.placement import Placement
+    from eplb_graph.policy.registry import get_policy, normalize_weight
+    from eplb_graph.simulate.trace import TraceSpec, generate_trace, save_trace
+
+    trace, out = tmp_path / "skewed.npz", tmp_path / "map.json"
+    spec = TraceSpec(num_layers=2, num_experts=16, top_k=2, num_steps=200, skew=1.5, seed=1)
+    save_trace(generate_trace(spec), trace)
+    raw = get_policy("default")(normalize_weight(trace_total_load(str(trace))), 18, 1, 1, 2, None)
+    assert int(torch.bincount(raw[0]).max()) > 2  # the setup does exercise the rule
+    simulate = ["simulate", "--trace", str(trace), "--policy", "default", "--no-progress"]
+    simulate += ["--window-size", "50", "--step-interval", "50"]
+    write = ["map", "write", str(out), "--trace", str(trace)]
+    assert cli.main([*write, "--ranks", "2", "--redundant", "2"]) == 0, capsys.readouterr().err
+    assert Placement.load_expert_map(out, num_logical=16).max_replica_count() <= 2
+    assert cli.main([*simulate, "--ranks", "2", "--num-redundant", "2"]) == 0
+    capsys.readouterr()
+    out.unlink()
+    reasons = []
+    for argv in (
+        [*write, "--ranks", "2", "--redundant", "18"],
+        [*simulate, "--ranks", "2", "--num-redundant", "18"],
+    ):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1, err
+        reasons.append(err.split(": ", 2)[-1].split("; lower")[0])
+    assert reasons[0] == reasons[1] and "second copy of some expert on one rank" in reasons[0]
     assert not out.exists()
 
 
@@ -271,3 +307,86 @@ def test_info_says_what_the_native_kernel_status_means(status, monkeypatch, tmp_
     assert json.loads(path.read_text())["native_note"] in note
     if status == "pending":
         assert "not built yet" in note and "eplb-graph info --build-native" in note
+
+
+# -- the command line answers without torch --------------------------------------------------------
+
+_WITHOUT_TORCH = """
+import sys, time
+started = time.perf_counter()
+from eplb_graph import cli
+try:
+    cli.main(sys.argv[1:])
+except SystemExit as exit_:
+    status = exit_.code
+sys.stderr.write(f"\\nSTATUS {status} TORCH {'torch' in sys.modules} SECONDS "
+                 f"{time.perf_counter() - started:.3f}\\n")
+"""
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--help"],
+        ["simulate", "--help"],
+        ["demo", "--help"],
+        ["map", "write", "--help"],
+        ["checkpoint", "--help"],
+        ["simulate", "--ranks", "abc"],  # usage errors, from every level
+        ["demo", "--format", "int3"],
+        ["map", "write", "out.json", "--layers", "0", "--ranks", "2"],
+        ["nonsense"],
+        [],
+    ],
+)
+def test_help_and_usage_errors_do_not_import_torch(argv):
+    """Importing torch takes seconds; ``--help`` or a typo must answer well under one."""
+    timings = []
+    for _ in range(2):  # the better of two runs: the machine may be busy
+        started = time.perf_counter()
+        result = subprocess.run(
+            [sys.executable, "-c", _WITHOUT_TORCH, *argv],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            timeout=120,
+        )
+        timings.append(time.perf_counter() - started)
+        last = result.stderr.strip().splitlines()[-1]
+        assert last.startswith("STATUS ") and " TORCH False " in last, result.stderr
+        assert last.split()[1] == ("0" if "--help" in argv else "2"), result.stderr
+    assert min(timings) < 1.0, timings
+
+
+def test_importing_the_package_first_still_registers_the_ops_when_torch_comes():
+    """``import eplb_graph`` no longer imports torch, yet ``torch.ops.eplb_graph.*`` is there
+    as soon as torch is, in either import order, and every public name still resolves."""
+    code = """
+import sys
+import time
+import eplb_graph
+assert "torch" not in sys.modules
+import torch
+assert callable(torch.ops.eplb_graph.map_and_record)
+for name in eplb_graph.__all__:
+    getattr(eplb_graph, name)
+from eplb_graph import Placement, EplbRuntime, policy
+assert policy.rebalance and Placement.default(1, 4, 0, 2).num_slots == 4
+print("ok")
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=300,
+    )
+    assert result.stdout == "ok\n", result.stderr
+
+
+def test_the_built_in_policy_list_is_the_registry():
+    from eplb_graph.cli_support import BUILT_IN_POLICIES
+
+    assert list(BUILT_IN_POLICIES) == policy_names()

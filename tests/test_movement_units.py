@@ -14,6 +14,7 @@ from eplb_graph.movement.agreement import StoreAgreement
 from eplb_graph.movement.clock import StepClock
 from eplb_graph.movement.staging import BlockState, StagingOwnershipError, StagingPool
 from eplb_graph.policy import registry
+from tests.movement_fixtures import expert_payloads, rank_views
 
 
 def _agreements(tmp_path, world=2, vote_timeout=5.0):
@@ -223,3 +224,71 @@ def test_commit_steps_never_go_backwards_when_the_margin_shrinks():
         delivery.deliver(agreement, f"r{round_index}", [], ok=True, transport_failed=False)
     assert agreement.proposals == sorted(agreement.proposals), agreement.proposals
     assert delivery.margin < 64  # it did shrink meanwhile
+
+
+# -- staging memory: capped by the model, bounded by a budget ------------------------------------
+
+
+def _runtime(tmp_path, movement):
+    """A sync, one-rank runtime over a 2-layer model (nothing is moved: only start-up matters)."""
+    from eplb_graph import ControlSettings, EplbRuntime, EplbState, Placement
+
+    placement = Placement.default(2, 4, 0, 1)
+    payloads = [expert_payloads("unquantized", layer, 4) for layer in range(2)]
+    agreement = StoreAgreement(
+        dist.FileStore(str(tmp_path / "store"), 1),
+        0,
+        1,
+        vote_timeout_s=1.0,
+        decision_timeout_s=1.0,
+        namespace="budget",
+    )
+    return EplbRuntime(
+        EplbState(placement, rank=0),
+        rank_views("unquantized", placement.phy2log, 0, 1, payloads),
+        ControlSettings(window_size=4, step_interval=4),
+        lambda: None,
+        0,
+        use_async=False,
+        movement=movement,
+        agreement=agreement,
+    ), payloads
+
+
+def test_layers_per_step_beyond_the_model_sizes_staging_by_the_model(tmp_path):
+    from eplb_graph import MovementSettings
+
+    runtime, payloads = _runtime(tmp_path, MovementSettings(layers_per_step=1024))
+    try:
+        # 2 layers: at most 2 blocks (not 2 x 1024), each reads + receives 4 slots.
+        assert runtime.movement.layers_per_step == 2
+        assert len(runtime.pool.blocks) == 2
+        assert runtime.pool.nbytes == 2 * 2 * 4 * payloads[0].shape[1]
+    finally:
+        runtime.close()
+
+
+def test_staging_beyond_its_budget_fails_at_start_naming_the_field_and_the_fix(tmp_path):
+    from eplb_graph import MovementSettings
+    from eplb_graph.movement.staging import StagingBudgetError
+
+    slot_nbytes = int(expert_payloads("unquantized", 0, 4).shape[1])
+    needed = 2 * 2 * 4 * slot_nbytes  # default 2 blocks on a 2-layer model
+    with pytest.raises(StagingBudgetError, match="raise staging_budget_bytes to at least") as info:
+        _runtime(tmp_path, MovementSettings(staging_budget_bytes=needed - 1))
+    assert (info.value.needed, info.value.budget) == (needed, needed - 1)
+    runtime, _ = _runtime(tmp_path, MovementSettings(staging_budget_bytes=needed))
+    runtime.close()
+
+
+def test_the_vllm_section_turns_the_budget_error_into_its_own_setting():
+    from eplb_graph import ConfigError
+    from eplb_graph.integrations.vllm.options import PluginOptions
+    from eplb_graph.integrations.vllm.settings import staging_budget_config_error
+    from eplb_graph.movement.staging import StagingBudgetError
+
+    assert PluginOptions().staging_budget_mib == 16384
+    error = staging_budget_config_error(StagingBudgetError(3 << 20, 1 << 20, 2, 4, 393216))
+    assert isinstance(error, ConfigError)
+    assert error.field == "additional_config.eplb_graph.staging_budget_mib"
+    assert "need 3 MiB" in error.reason and "to at least 3" in error.reason

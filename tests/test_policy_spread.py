@@ -47,13 +47,17 @@ def test_no_policy_plan_holds_an_avoidable_duplicate(name):
                 spread_layers = [layer for layer in range(load.shape[0]) if layer not in kept]
                 assert avoidable_duplicates(served[spread_layers].numpy(), ranks) == 0
             else:
-                assert avoidable_duplicates(served.numpy(), ranks) == 0
+                # Every case has room for one copy per rank (slots <= experts x ranks): no
+                # duplicate at all, not even one forced by more copies than ranks (replica_cap).
+                assert count_duplicates(served.numpy(), ranks) == 0
             raw_duplicates += avoidable_duplicates(raw.numpy(), ranks) > 0
-            if avoidable_duplicates(raw.numpy(), ranks) == 0:
+            if count_duplicates(raw.numpy(), ranks) == 0:
                 assert torch.equal(served, raw.to(torch.int64))  # untouched when already fine
             raw_balance.append(balancedness(rank_load(raw, load, ranks)))
             served_balance.append(balancedness(rank_load(served, load, ranks)))
-    assert np.mean(served_balance) >= np.mean(raw_balance) - 1e-3, name
+    # One copy per rank at most (replica_cap) costs about 0.1% here: a third copy on two ranks
+    # would split a hot expert 2:1, a step the capped plan cannot take.
+    assert np.mean(served_balance) >= np.mean(raw_balance) - 2e-3, name
     if name in ("default", "random"):
         assert raw_duplicates > 0  # the cases do exercise the post-pass
 

@@ -192,7 +192,12 @@ def test_compiled_engine_has_no_graph_break_and_commits_do_not_recompile(engines
         # Graphs compiled before the first served step are all there is: the commits since
         # (written in place into graph inputs) recompiled nothing.
         assert compiled["unique_graphs"] == compiled["unique_graphs_at_first_step"]
+        assert compiled["model_compiled"] and compiled["recompiled_while_serving"] is False
         assert rank["layers_committed"] >= 3
+    for rank in engines("sync_eager")["metrics"]:
+        # An eager model has no graphs of its own: no figure that could read as a recompile.
+        assert rank["compile"]["model_compiled"] is False, rank["compile"]
+        assert rank["compile"]["unique_graphs"] is None
 
 
 def test_skewed_router_is_better_balanced_with_eplb(engines):

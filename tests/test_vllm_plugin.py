@@ -79,6 +79,35 @@ def test_a_metrics_path_that_is_a_file_is_refused(tmp_path):
         PluginOptions.from_section({"metrics_path": str(existing)})
 
 
+@pytest.mark.parametrize("where", ["/proc/eplb-graph-metrics", "/proc/self", "/sys/fs/eplbm"])
+def test_a_metrics_path_that_cannot_be_written_fails_at_start(monkeypatch, where):
+    """``os.access`` says yes to root everywhere (emulated here for other users): the check
+    must really write, as the workers will, or they die on their first write minutes later."""
+    from eplb_graph.integrations.settings import paths
+
+    monkeypatch.setattr(paths.os, "access", lambda *args, **kwargs: True)
+    with pytest.raises(ConfigError, match=r"cannot (write in|create) directory") as info:
+        PluginOptions.from_section({"metrics_path": where})
+    assert info.value.field == f"{PREFIX}.metrics_path"
+
+
+def test_a_writable_metrics_path_is_created_and_left_clean(tmp_path):
+    target = tmp_path / "metrics"
+    PluginOptions.from_section({"metrics_path": str(target)})
+    assert target.is_dir() and list(target.iterdir()) == []  # the probe file is gone
+    PluginOptions.from_section({"record_map_path": str(tmp_path / "plans.json")})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics"]
+
+
+def test_a_symlink_loop_as_the_map_is_called_a_loop(tmp_path):
+    loop = tmp_path / "map.json"
+    loop.symlink_to(tmp_path / "other.json")
+    (tmp_path / "other.json").symlink_to(loop)
+    with pytest.raises(ConfigError, match="a symlink loop") as info:
+        PluginOptions.from_section({"expert_map_path": str(loop)})
+    assert "does not exist" not in str(info.value)
+
+
 # -- the CPU expert-parallel fix ------------------------------------------------------------------
 
 
@@ -329,6 +358,117 @@ def test_bad_settings_fail_when_vllm_builds_its_config(engine_args, overrides, f
     with pytest.raises(ConfigError, match=reason) as info:
         engine_args(**overrides).create_engine_config()
     assert info.value.field == field
+
+
+@pytest.mark.vllm
+def test_the_models_shape_is_checked_where_vllm_builds_its_config(engine_args, tmp_path):
+    """The tiny model has 2 MoE layers: a 3-layer map fails before any worker starts, and a
+    layers_per_step beyond the model is capped there already."""
+    from eplb_graph import Placement
+    from eplb_graph.integrations.vllm.settings import eplb_settings
+    from eplb_graph.models.tiny_qwen3_moe import NUM_EXPERTS
+
+    path = tmp_path / "three_layers.json"
+    Placement.default(3, NUM_EXPERTS, 2, 2).save_expert_map(path)
+    with pytest.raises(ConfigError, match="the map has 3 MoE layers, the model 2") as info:
+        engine_args(
+            additional_config={"eplb_graph": {"expert_map_path": str(path)}}
+        ).create_engine_config()
+    assert info.value.field == f"{PREFIX}.expert_map_path"
+    config = engine_args(
+        additional_config={"eplb_graph": {"layers_per_step": 65536}}
+    ).create_engine_config()
+    assert eplb_settings(config).movement.layers_per_step == 2
+
+
+def test_moe_layer_counts_follow_each_familys_rule():
+    from eplb_graph.integrations.vllm.model_shape import hidden_layer_count, moe_layer_count
+
+    def model(**fields):
+        return types.SimpleNamespace(hf_text_config=types.SimpleNamespace(**fields))
+
+    qwen = model(
+        model_type="qwen3_moe",
+        num_hidden_layers=6,
+        num_experts=8,
+        decoder_sparse_step=2,
+        mlp_only_layers=[3],
+    )
+    assert moe_layer_count(qwen) == 2  # layers 1 and 5 (3 is dense by mlp_only_layers)
+    deepseek = model(
+        model_type="deepseek_v3",
+        num_hidden_layers=61,
+        n_routed_experts=256,
+        first_k_dense_replace=3,
+        moe_layer_freq=1,
+    )
+    assert moe_layer_count(deepseek) == 58
+    llama4 = model(model_type="llama4_text", num_hidden_layers=48, interleave_moe_layer_step=2)
+    assert moe_layer_count(llama4) == 24
+    assert moe_layer_count(model(model_type="mixtral", num_hidden_layers=32)) == 32
+    unknown = model(model_type="something_new", num_hidden_layers=7)
+    assert moe_layer_count(unknown) is None and hidden_layer_count(unknown) == 7
+
+
+def test_a_metrics_directory_deleted_while_serving_is_created_again(tmp_path):
+    import shutil
+
+    from eplb_graph.integrations.vllm.metrics import RankMetricsFile
+
+    directory = tmp_path / "metrics"
+    file = RankMetricsFile(str(directory), 0)
+    shutil.rmtree(directory)
+    assert file.update((1,), lambda: {"steps": 1}) is True
+    assert json.loads((directory / "rank0.json").read_text())["steps"] == 1
+
+
+def test_metrics_write_failures_warn_once_per_interval_with_a_count(tmp_path, monkeypatch, caplog):
+    import shutil
+
+    from eplb_graph.integrations.vllm import metrics
+
+    clock = [1000.0]
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: clock[0])
+    directory = tmp_path / "metrics"
+    file = metrics.RankMetricsFile(str(directory), 0)
+    shutil.rmtree(directory)
+    directory.write_text("")  # a file where the directory was: it cannot be created again
+    with caplog.at_level("WARNING", logger=metrics.logger.name):
+        for step in range(100):
+            assert file.update((step,), lambda: {}) is False
+        assert len(caplog.records) == 1 and "cannot write metrics" in caplog.records[0].message
+        clock[0] += metrics.WARN_INTERVAL_S
+        file.update((100,), lambda: {})
+    assert len(caplog.records) == 2
+    assert "99 more like this in the last 60 s were not logged" in caplog.records[1].message
+
+
+def test_compile_figures_are_reported_only_for_a_compiled_model():
+    """An eager engine's Dynamo counters count other torch.compile users of the worker (2 graphs
+    against 0 at the first step read as a recompile): it reports no graph figures."""
+    from eplb_graph.integrations.vllm.metrics import (
+        compile_counters,
+        compile_figures,
+        model_is_compiled,
+    )
+
+    def config(eager, mode):
+        return types.SimpleNamespace(
+            model_config=types.SimpleNamespace(enforce_eager=eager),
+            compilation_config=types.SimpleNamespace(mode=mode),
+        )
+
+    assert not model_is_compiled(config(True, 3)) and not model_is_compiled(config(False, 0))
+    assert model_is_compiled(config(False, 3))
+    at_first_step = compile_counters()["unique_graphs"]
+    assert compile_figures(True, at_first_step)["recompiled_while_serving"] is False
+    torch.compile(lambda x: x + 1, backend="eager")(torch.ones(3))  # a graph after the start
+    compiled = compile_figures(True, at_first_step)
+    assert compiled["model_compiled"] and compiled["recompiled_while_serving"] is True
+    assert compiled["unique_graphs"] > compiled["unique_graphs_at_first_step"]
+    eager = compile_figures(False, None)
+    assert eager["model_compiled"] is False
+    assert all(eager[key] is None for key in eager if key != "model_compiled")
 
 
 def test_the_background_writer_writes_off_the_calling_thread_and_flushes_at_close(tmp_path):

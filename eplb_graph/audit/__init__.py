@@ -5,28 +5,28 @@
 thin layers over it. See ``docs/testing.md`` for the checks and their blind spots.
 """
 
-from eplb_graph.audit.checks import CHECKS
-from eplb_graph.audit.findings import KINDS, Finding
-from eplb_graph.audit.placements import alternative_placement, alternative_placements
-from eplb_graph.audit.report import SCHEMA_VERSION, AuditReport, CheckResult
-from eplb_graph.audit.runner import TargetRaised, run_audit
-from eplb_graph.audit.sync_ops import register_op_body
-from eplb_graph.audit.target import DEFAULT_TARGET, AuditTarget, TargetError, load_target
+from __future__ import annotations
 
-__all__ = [
-    "CHECKS",
-    "DEFAULT_TARGET",
-    "KINDS",
-    "SCHEMA_VERSION",
-    "AuditReport",
-    "AuditTarget",
-    "CheckResult",
-    "Finding",
-    "TargetError",
-    "TargetRaised",
-    "alternative_placement",
-    "alternative_placements",
-    "load_target",
-    "register_op_body",
-    "run_audit",
-]
+from eplb_graph.lazy_exports import lazy_exports
+
+DEFAULT_TARGET = "eplb_graph.models:audit_target"
+"""The audit's default TARGET, the project's TinyMoE (here, so the CLI's parser needs no torch)."""
+
+_PUBLIC = {
+    "CHECKS": "eplb_graph.audit.checks",
+    "KINDS": "eplb_graph.audit.findings",
+    "Finding": "eplb_graph.audit.findings",
+    "alternative_placement": "eplb_graph.audit.placements",
+    "alternative_placements": "eplb_graph.audit.placements",
+    "SCHEMA_VERSION": "eplb_graph.audit.report",
+    "AuditReport": "eplb_graph.audit.report",
+    "CheckResult": "eplb_graph.audit.report",
+    "TargetRaised": "eplb_graph.audit.runner",
+    "run_audit": "eplb_graph.audit.runner",
+    "register_op_body": "eplb_graph.audit.sync_ops",
+    "AuditTarget": "eplb_graph.audit.target",
+    "TargetError": "eplb_graph.audit.target",
+    "load_target": "eplb_graph.audit.target",
+}
+__all__ = sorted([*_PUBLIC, "DEFAULT_TARGET"])
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _PUBLIC)

@@ -20,10 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from eplb_graph.audit import DEFAULT_TARGET  # defined there, so the CLI needs no torch
 from eplb_graph.audit.runner import check_state, describe_escape
 from eplb_graph.errors import EplbError
-
-DEFAULT_TARGET = "eplb_graph.models:audit_target"
 
 
 class TargetError(EplbError):

@@ -18,9 +18,9 @@ from eplb_graph.cli_support import (
     write_file_atomically,
     write_text_atomically,
 )
-from eplb_graph.demo.runner import COMPILE_BACKENDS, DemoOptions, run_rank
+from eplb_graph.demo.options import COMPILE_BACKENDS, DemoOptions, option_defaults
 from eplb_graph.errors import EplbError
-from eplb_graph.models.ep_moe import FORMATS
+from eplb_graph.models.formats import FORMATS
 from eplb_graph.progress import NO_PROGRESS_HELP
 
 COMMAND = "eplb-graph demo"
@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
-    defaults = DemoOptions()
+    defaults = argparse.Namespace(**option_defaults())  # no instance: its checks import torch
     parser = commands.add_parser(
         "demo",
         help="run a compiled multi-rank MoE with async EPLB against EPLB off",
@@ -165,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_torchrun(options: DemoOptions) -> dict | int:
+    from eplb_graph.demo.runner import run_rank
     from eplb_graph.launch import run_under_torchrun
 
     # The demo model runs on the CPU: its serving collectives use gloo even where a GPU is
@@ -175,6 +176,7 @@ def _run_torchrun(options: DemoOptions) -> dict | int:
 
 def _run_spawned(options: DemoOptions) -> dict | int:
     """Rank 0's report, or the exit status of a run that could not finish (one stderr line)."""
+    from eplb_graph.demo.runner import run_rank
     from eplb_graph.launch import RankFailed, RanksInterrupted, spawn_ranks
 
     try:

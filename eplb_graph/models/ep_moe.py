@@ -24,11 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
+from eplb_graph.models.formats import FORMATS
 from eplb_graph.movement.views import UnquantizedView, W8A8View
 from eplb_graph.ops import local_experts, local_experts_w8a8, map_and_record
 from eplb_graph.state import EplbState
-
-FORMATS = ("unquantized", "w8a8")
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,53 @@ class StagingOwnershipError(EplbError, RuntimeError):
     """A block was used out of order (a bug: would break invariant 6)."""
 
 
+class StagingBudgetError(EplbError, ValueError):
+    """The staging blocks would take more memory than ``MovementSettings.staging_budget_bytes``.
+
+    Raised at start-up, before anything is allocated. ``needed`` and ``budget`` are bytes;
+    ``blocks``, ``slots_per_rank`` and ``slot_nbytes`` say where ``needed`` comes from, so an
+    integration can reword the fix in its own setting names.
+    """
+
+    def __init__(
+        self, needed: int, budget: int, blocks: int, slots_per_rank: int, slot_nbytes: int
+    ) -> None:
+        super().__init__(
+            f"staging_budget_bytes: the staging memory needs {needed} bytes "
+            f"({blocks} blocks x 2 x {slots_per_rank} slots x {slot_nbytes} bytes per expert), "
+            f"more than the budget of {budget} bytes; lower layers_per_step or staging_blocks, "
+            f"or raise staging_budget_bytes to at least {needed}"
+        )
+        self.needed = needed
+        self.budget = budget
+        self.blocks = blocks
+        self.slots_per_rank = slots_per_rank
+        self.slot_nbytes = slot_nbytes
+
+    def __reduce__(self):
+        return type(self), (
+            self.needed,
+            self.budget,
+            self.blocks,
+            self.slots_per_rank,
+            self.slot_nbytes,
+        )
+
+
+def check_staging_budget(
+    num_blocks: int, slots_per_rank: int, slot_nbytes: int, budget: int
+) -> int:
+    """The bytes ``num_blocks`` blocks take (reads + receives of every local slot per block).
+
+    Raises:
+        StagingBudgetError: when that is more than ``budget`` bytes.
+    """
+    needed = num_blocks * 2 * slots_per_rank * slot_nbytes
+    if needed > budget:
+        raise StagingBudgetError(needed, budget, num_blocks, slots_per_rank, slot_nbytes)
+    return needed
+
+
 class StagingBlock:
     """One layer's staging buffers (CPU, pinned when a CUDA device exists)."""
 

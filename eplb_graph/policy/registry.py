@@ -12,9 +12,10 @@ it on traces. Signature of a registered policy::
 - ``old_phy2log``: ``[L, P]`` int64 current placement, or ``None`` (first placement).
 - ``options``: policy-specific keyword options; unknown options raise ``TypeError``.
 
-:func:`rebalance` runs one post-pass on every policy's plan: an avoidable second copy of an
-expert on one rank is moved to another rank (``policy/spread.py``), so no policy wastes a slot
-that way and every plan can be written as an expert map.
+:func:`rebalance` runs two post-passes on every policy's plan: copies of an expert beyond one per
+rank go to other experts (``policy/replica_cap.py``), then an avoidable second copy of an expert
+on one rank is moved to another rank (``policy/spread.py``), so no policy wastes a slot that way
+and every plan of a shape with room for it (``P <= N x ranks``) can be written as an expert map.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 
 from eplb_graph.errors import EplbError
 from eplb_graph.policy.preserve import preserve_slots, transfers_needed
+from eplb_graph.policy.replica_cap import cap_replicas
 from eplb_graph.policy.spread import spread_replicas
 from eplb_graph.tables import check_slots_per_rank
 
@@ -128,17 +130,20 @@ def rebalance(
             raise ValueError(
                 f"old_phy2log must be [L, P] = {list(expected)}, got {list(old_phy2log.shape)}"
             )
-    phy2log = policy(
+    raw = policy(
         samples, num_replicas, num_groups, num_nodes, num_ranks, old_phy2log, **options
     ).to(torch.int64)
-    # Whatever the policy: no avoidable second copy of an expert on one rank (policy/spread.py).
+    # Whatever the policy: no expert with more copies than ranks when the shape has room
+    # (policy/replica_cap.py), and no avoidable second copy of an expert on one rank
+    # (policy/spread.py), so every such plan can be written as an expert map.
+    phy2log = raw
     spread = spread_replicas(
-        phy2log,
+        cap_replicas(raw, samples.sum(dim=0), num_ranks),
         samples.sum(dim=0),
         num_ranks,
         fewest_moves=name in _BOUNDED_MOVES and old_phy2log is not None,
     )
-    if spread is phy2log or old_phy2log is None:
+    if spread is raw or old_phy2log is None:
         return spread
     spread = preserve_slots(old_phy2log, spread, num_ranks)
     if name in _BOUNDED_MOVES:

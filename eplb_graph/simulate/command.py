@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-
-import torch
+from typing import TYPE_CHECKING
 
 from eplb_graph.cli_support import (
     UsageError,
@@ -20,14 +19,15 @@ from eplb_graph.cli_support import (
     write_file_atomically,
     write_text_atomically,
 )
-from eplb_graph.control import ControlSettings
 from eplb_graph.errors import EplbError
-from eplb_graph.placement import Placement
-from eplb_graph.policy import get_policy, rebalance
 from eplb_graph.progress import NO_PROGRESS_HELP
-from eplb_graph.simulate.simulator import ClusterShape, SimulationReport, plot_reports, simulate
-from eplb_graph.simulate.trace import LoadTrace, TraceSpec, generate_trace, load_trace
-from eplb_graph.tables import check_slots_per_rank
+
+if TYPE_CHECKING:
+    from eplb_graph.simulate.simulator import ClusterShape, SimulationReport
+    from eplb_graph.simulate.trace import LoadTrace
+
+# The parser is built without torch (``eplb-graph --help`` and usage errors answer in well under
+# a second); everything the replay needs is imported where it is used.
 
 COMMAND = "eplb-graph simulate"
 
@@ -159,6 +159,8 @@ UNITS_NOTE = (
 
 
 def _load_or_generate(args: argparse.Namespace) -> LoadTrace:
+    from eplb_graph.simulate.trace import TraceSpec, generate_trace, load_trace
+
     if args.trace:
         return load_trace(args.trace)
     if args.top_k > args.experts:
@@ -182,10 +184,19 @@ def _load_or_generate(args: argparse.Namespace) -> LoadTrace:
 def check_cluster(trace: LoadTrace, cluster: ClusterShape, policies: list[str]) -> None:
     """Refuse a cluster shape the replay would fail on at its first rebalance (UsageError).
 
-    The slots must split evenly over the ranks (the placement's own rule), and each policy must
+    The slots must split evenly over the ranks (the placement's own rule), hold at most one copy
+    of an expert per rank (``map write``'s rule too: what is simulated can be written), and each
+    policy must
     accept the shape: each plans one layer of skewed load from the initial placement here, so
     its own rules (the ``default`` policy's groups and nodes, for one) apply before the run.
     """
+    import torch
+
+    from eplb_graph.placement import Placement
+    from eplb_graph.policy import rebalance
+    from eplb_graph.policy.replica_cap import replica_room_problem
+    from eplb_graph.tables import check_slots_per_rank
+
     num_slots = trace.num_experts + cluster.num_redundant
     check_slots_per_rank(
         num_slots,
@@ -194,6 +205,14 @@ def check_cluster(trace: LoadTrace, cluster: ClusterShape, policies: list[str]) 
         f"({cluster.num_redundant})",
         error=UsageError,
     )
+    # The one replica rule, shared with ``map write``: no shape that forces two copies of an
+    # expert onto one rank (every policy's plan keeps to it when the shape has room).
+    problem = replica_room_problem(trace.num_experts, num_slots, cluster.num_ranks)
+    if problem is not None:
+        raise UsageError(
+            f"--ranks {cluster.num_ranks}, --num-redundant {cluster.num_redundant}: {problem}; "
+            "lower --num-redundant or raise --ranks"
+        )
     placement = Placement.default(1, trace.num_experts, cluster.num_redundant, cluster.num_ranks)
     skewed = torch.arange(trace.num_experts, 0, -1, dtype=torch.float64).unsqueeze(0)
     for policy in policies:
@@ -217,6 +236,10 @@ def check_cluster(trace: LoadTrace, cluster: ClusterShape, policies: list[str]) 
 
 def _prepare(args: argparse.Namespace):
     """Everything the replay needs, checked: ``(trace, cluster, settings per policy)``."""
+    from eplb_graph.control import ControlSettings
+    from eplb_graph.policy import get_policy
+    from eplb_graph.simulate.simulator import ClusterShape
+
     if args.json is not None:
         check_destination(args.json, "--json")
     if args.plot is not None:
@@ -248,12 +271,14 @@ def _prepare(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    from eplb_graph.simulate import simulator
+
     try:
         trace, cluster, settings = _prepare(args)
     except EplbError as error:
         return refuse(COMMAND, error)
     show_progress = not args.no_progress
-    reports = [simulate(trace, s, cluster, progress=show_progress) for s in settings]
+    reports = [simulator.simulate(trace, s, cluster, progress=show_progress) for s in settings]
     sys.stdout.write(
         f"trace: {trace.num_steps} steps, {trace.num_layers} layers x {trace.num_experts} "
         f"experts, top-{trace.top_k}; {cluster.num_ranks} ranks, "
@@ -273,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             write_text_atomically(args.json, json.dumps(payload, indent=2) + "\n")
         if args.plot:
-            write_file_atomically(args.plot, lambda path: plot_reports(reports, path))
+            write_file_atomically(args.plot, lambda path: simulator.plot_reports(reports, path))
     except OSError as error:  # checked before the run; the disk can still fill up or vanish
         return refuse(COMMAND, f"cannot write the report: {error}")
     return 0

@@ -21,8 +21,9 @@ from eplb_graph.integrations.vllm.runner import (
     UnsupportedVllmModel,
     VllmEplbAdapter,
 )
-from eplb_graph.integrations.vllm.settings import eplb_settings
+from eplb_graph.integrations.vllm.settings import eplb_settings, staging_budget_config_error
 from eplb_graph.integrations.vllm.slot_digests import DigestLog, kernel_tensors
+from eplb_graph.movement.staging import StagingBudgetError
 from eplb_graph.movement.transport import GroupRing
 from eplb_graph.movement.views import make_expert_view
 from eplb_graph.placement import Placement
@@ -157,19 +158,22 @@ def start(
     bind(model, state)
     views = weight_views(model)
     groups = GroupRing(GROUP_RING_SIZE, timeout_s=GROUP_TIMEOUT_S, ranks=list(group.ranks))
-    if settings.expert_map is not None:
-        _move_to(settings, state, views, groups, ep_rank, settings.expert_map)
-    runtime = EplbRuntime(
-        state,
-        views,
-        settings.control,
-        groups,
-        ep_rank,
-        use_async=settings.use_async,
-        movement=settings.movement,
-        record_map_path=settings.record_map_path,
-        record_load=record_load(ep_rank),
-    )
+    try:  # the staging budget is checked where the per-expert byte size is known: here
+        if settings.expert_map is not None:
+            _move_to(settings, state, views, groups, ep_rank, settings.expert_map)
+        runtime = EplbRuntime(
+            state,
+            views,
+            settings.control,
+            groups,
+            ep_rank,
+            use_async=settings.use_async,
+            movement=settings.movement,
+            record_map_path=settings.record_map_path,
+            record_load=record_load(ep_rank),
+        )
+    except StagingBudgetError as error:
+        raise staging_budget_config_error(error) from None
     adapter = adapter_cls(runner, runtime, settings, ep_rank, ep_size)
     if adapter._metrics is not None:
         adapter._refresh_digest()

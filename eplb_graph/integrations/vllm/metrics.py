@@ -66,13 +66,86 @@ def compile_counters() -> dict[str, int]:
     }
 
 
+WARN_INTERVAL_S = 60.0
+"""At most one warning per this many seconds about metrics that could not be written."""
+
+
+class RateLimitedWarning:
+    """One WARNING line per ``interval_s``; the next line says how many were held back.
+
+    A metrics directory deleted under a server would otherwise log a line at every refresh of
+    every rank (hundreds a second): monitoring must neither take serving down nor flood its log.
+    """
+
+    def __init__(self, interval_s: float = WARN_INTERVAL_S) -> None:
+        self.interval_s = interval_s
+        self._last: float | None = None
+        self._suppressed = 0
+        self._lock = threading.Lock()
+
+    def warn(self, message: str, *args: object) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if self._last is not None and now - self._last < self.interval_s:
+                self._suppressed += 1
+                return
+            suppressed, self._suppressed, self._last = self._suppressed, 0, now
+        if suppressed:
+            message += " (%d more like this in the last %.0f s were not logged)"
+            args = (*args, suppressed, self.interval_s)
+        logger.warning(message, *args)
+
+
+def compile_figures(model_compiled: bool, graphs_at_first_step: int | None) -> dict[str, Any]:
+    """The metrics file's ``compile`` entry.
+
+    Dynamo's counters are process-wide: in an eager engine (``enforce_eager``, compilation mode
+    NONE) they count whatever else in the worker calls ``torch.compile`` on first use (helpers of
+    vLLM's, after the first step), never the model. Reported there, "2 graphs now, 0 at the
+    first step" reads as a recompile of the model that never happened, so an eager engine says
+    ``model_compiled: false`` and reports no graph figures (``null``). In a compiled engine,
+    ``recompiled_while_serving`` says whether graphs were added after the first served step.
+    """
+    if not model_compiled:
+        return {
+            "model_compiled": False,
+            "unique_graphs": None,
+            "graph_breaks": None,
+            "unique_graphs_at_first_step": None,
+            "recompiled_while_serving": None,
+        }
+    counters = compile_counters()
+    recompiled = None
+    if graphs_at_first_step is not None:
+        recompiled = counters["unique_graphs"] > graphs_at_first_step
+    return {
+        "model_compiled": True,
+        **counters,
+        "unique_graphs_at_first_step": graphs_at_first_step,
+        "recompiled_while_serving": recompiled,
+    }
+
+
+def model_is_compiled(vllm_config: Any) -> bool:
+    """Whether vLLM compiles the model (any compilation mode but NONE, and not eager)."""
+    if getattr(vllm_config.model_config, "enforce_eager", False):
+        return False
+    return int(getattr(vllm_config.compilation_config, "mode", 0) or 0) != 0
+
+
 class RankMetricsFile:
-    """Keeps one rank's metrics file current (see the module docstring)."""
+    """Keeps one rank's metrics file current (see the module docstring).
+
+    A directory removed while serving is created again at the next write; failures that
+    persist are logged at most once per ``WARN_INTERVAL_S`` (:class:`RateLimitedWarning`).
+    """
 
     def __init__(self, directory: str, rank: int) -> None:
-        Path(directory).mkdir(parents=True, exist_ok=True)
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
         self.path = rank_file(directory, rank)
         self._last_progress: tuple | None = None
+        self.warnings = RateLimitedWarning()
 
     def update(
         self, progress: tuple, document: Callable[[], dict[str, Any]], *, force: bool = False
@@ -83,9 +156,13 @@ class RankMetricsFile:
             return False
         content = {**document(), "updated_unix_s": time.time()}
         try:
-            write_atomically(self.path, content)
+            try:
+                write_atomically(self.path, content)
+            except FileNotFoundError:  # the directory was removed while serving: recreate it
+                self.directory.mkdir(parents=True, exist_ok=True)
+                write_atomically(self.path, content)
         except OSError as error:  # monitoring must never take serving down
-            logger.warning("eplb-graph: cannot write metrics to %s: %s", self.path, error)
+            self.warnings.warn("eplb-graph: cannot write metrics to %s: %s", self.path, error)
             return False
         self._last_progress = progress
         return True
@@ -152,7 +229,7 @@ class BackgroundWriter:
             try:
                 self.file.update(progress, self.document)
             except Exception as error:  # monitoring must never take serving down
-                logger.warning("eplb-graph: metrics not written: %s", error)
+                self.file.warnings.warn("eplb-graph: metrics not written: %s", error)
 
 
 _COUNTERS = {

@@ -29,6 +29,7 @@ from eplb_graph.integrations.settings.paths import (
     check_record_path,
 )
 from eplb_graph.integrations.settings.resolve import check_policy_name
+from eplb_graph.movement.settings import DEFAULT_STAGING_BUDGET_BYTES
 
 SECTION = "eplb_graph"
 PREFIX = f"additional_config.{SECTION}"
@@ -72,7 +73,15 @@ class PluginOptions(Validated):
     weight_digests: bool = option(
         False, doc="hash every local slot's kernel tensors at attach and after each commit"
     )
-    layers_per_step: int = option(1, minimum=1, maximum=1 << 16, doc="layers committed together")
+    layers_per_step: int = option(
+        1, minimum=1, maximum=1 << 16, doc="layers committed together (capped by the model's)"
+    )
+    staging_budget_mib: int = option(
+        DEFAULT_STAGING_BUDGET_BYTES >> 20,
+        minimum=1,
+        maximum=1 << 30,
+        doc="most CPU memory the staging blocks may take per worker, in MiB",
+    )
     commit_margin_steps: int = option(8, minimum=1, maximum=1 << 20, doc="fence distance")
     time_samples: int = option(8, minimum=1, maximum=1 << 16, doc="time buckets for the policy")
     min_gain_percent: int = option(

@@ -27,6 +27,8 @@ from eplb_graph.integrations.vllm.metrics import (
     BackgroundWriter,
     RankMetricsFile,
     compile_counters,
+    compile_figures,
+    model_is_compiled,
     placement_digest,
 )
 from eplb_graph.integrations.vllm.payback import PaybackLedger
@@ -71,6 +73,7 @@ class VllmEplbAdapter:
         self.closed = False
         self._open = False
         self._graphs_at_first_step: int | None = None
+        self._model_compiled = model_is_compiled(runner.vllm_config)
         self._step_started = 0.0
         self._step_busy = False
         self._hook_seconds = {
@@ -108,7 +111,7 @@ class VllmEplbAdapter:
             return  # not the target model (refused at start-up; never route a second model)
         if self._open:
             self._end_step()  # a forward whose step hook never came: close it first
-        if self._graphs_at_first_step is None:
+        if self._graphs_at_first_step is None and self._model_compiled:
             self._graphs_at_first_step = compile_counters()["unique_graphs"]
         self._step_started = time.perf_counter()
         self._step_busy = self.runtime.busy
@@ -260,7 +263,6 @@ class VllmEplbAdapter:
         """This rank's figures (what the metrics file holds)."""
         metrics = self.runtime.metrics()
         movement, control = metrics["movement"], metrics["control"]
-        counters = compile_counters()
         return {
             "rank": self.ep_rank,
             "ep_size": self.ep_size,
@@ -281,7 +283,7 @@ class VllmEplbAdapter:
             "placement_digest": self._digest[1],
             "last_error": movement["last_error"],
             "balancedness_windows": movement["window_balancedness"],
-            "compile": {**counters, "unique_graphs_at_first_step": self._graphs_at_first_step},
+            "compile": compile_figures(self._model_compiled, self._graphs_at_first_step),
             "step_ms": {name: _summary(list(times)) for name, times in self._step_seconds.items()},
             "eplb_hooks_ms": {
                 name: _summary(list(times)) for name, times in self._hook_seconds.items()

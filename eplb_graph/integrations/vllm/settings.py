@@ -22,8 +22,10 @@ from eplb_graph.integrations.settings import (
     control_settings_from_v2,
     resolve_eplb_config,
 )
+from eplb_graph.integrations.vllm.model_shape import hidden_layer_count, moe_layer_count
 from eplb_graph.integrations.vllm.options import PREFIX, SECTION, PluginOptions
 from eplb_graph.movement.settings import MovementSettings
+from eplb_graph.movement.staging import StagingBudgetError
 from eplb_graph.placement import Placement
 
 #: vLLM ``EPLBConfig`` fields eplb-graph implements (everything but migration batching).
@@ -62,7 +64,10 @@ def eplb_settings(
 ) -> VllmEplbSettings | None:
     """Validate every EPLB setting of ``vllm_config``; ``None`` when EPLB is off.
 
-    ``num_layers`` (known in workers) also checks an expert map's layer count.
+    ``num_layers`` (the loaded model's, in workers) checks an expert map's layer count and caps
+    ``layers_per_step``. Without it (where vLLM builds its config) the count comes from the
+    model's configuration when its family is known (``model_shape``), else only the decoder
+    layer count bounds the map.
 
     Raises:
         ConfigError: naming the first invalid setting and how to fix it.
@@ -92,20 +97,41 @@ def eplb_settings(
         raise ConfigError("enable_eplb", f"resolved to the {resolved.path.value} path")
     control = control_settings_from_v2(resolved.v2, num_groups=num_expert_groups)
     control = _with_options(control, options, additional)
-    expert_map = _expert_map(options, resolved, num_layers)
+    model_config = vllm_config.model_config
+    if num_layers is None:
+        num_layers = moe_layer_count(model_config)
+    expert_map = _expert_map(options, resolved, num_layers, hidden_layer_count(model_config))
     _check_policy_options(control, resolved)
     return VllmEplbSettings(
         control=control,
-        movement=MovementSettings(
-            layers_per_step=options.layers_per_step,
-            commit_margin_steps=options.commit_margin_steps,
-        ),
+        movement=_movement(options, num_layers),
         use_async=resolved.v2.use_async,
         num_redundant=resolved.num_redundant_experts,
         expert_map=expert_map,
         record_map_path=options.record_map_path,
         metrics_path=options.metrics_path,
         weight_digests=options.weight_digests,
+    )
+
+
+def _movement(options: PluginOptions, num_layers: int | None) -> MovementSettings:
+    movement = MovementSettings(
+        layers_per_step=options.layers_per_step,
+        commit_margin_steps=options.commit_margin_steps,
+        staging_budget_bytes=options.staging_budget_mib << 20,
+    )
+    return movement if num_layers is None else movement.for_layers(num_layers)
+
+
+def staging_budget_config_error(error: StagingBudgetError) -> ConfigError:
+    """The runtime's budget error in this section's words (MiB, the plugin's key names)."""
+    needed_mib = -(-error.needed // (1 << 20))
+    return ConfigError(
+        f"{PREFIX}.staging_budget_mib",
+        f"the staging blocks need {needed_mib} MiB ({error.blocks} blocks x 2 x "
+        f"{error.slots_per_rank} slots x {error.slot_nbytes} bytes per expert), more than the "
+        f"budget of {error.budget >> 20} MiB; lower {PREFIX}.layers_per_step or raise "
+        f"{PREFIX}.staging_budget_mib to at least {needed_mib}",
     )
 
 
@@ -164,7 +190,9 @@ def _with_options(
     return dataclasses.replace(control, **changes)
 
 
-def _expert_map(options: PluginOptions, resolved, num_layers: int | None) -> Placement | None:
+def _expert_map(
+    options: PluginOptions, resolved, num_layers: int | None, max_layers: int | None
+) -> Placement | None:
     """The starting map, validated against the model (N, EP size, redundancy, layers)."""
     if options.expert_map_path is None:
         return None
@@ -194,6 +222,12 @@ def _expert_map(options: PluginOptions, resolved, num_layers: int | None) -> Pla
             field,
             f"the map has {placement.num_layers} MoE layers, the model {num_layers}; use a map "
             "recorded for this model",
+        )
+    if max_layers is not None and placement.num_layers > max_layers:
+        raise ConfigError(
+            field,
+            f"the map has {placement.num_layers} MoE layers, more than the model's "
+            f"{max_layers} decoder layers; use a map recorded for this model",
         )
     return placement
 
