@@ -31,6 +31,7 @@ class PatchTarget:
     module: str
     attribute: str  # dotted inside the module, e.g. "CPUUnquantizedExperts.apply"
     parameters: tuple[str, ...]
+    partial: bool = False  # True: the target must have at least these parameters, in this order
 
     @property
     def name(self) -> str:
@@ -52,7 +53,8 @@ class PatchTarget:
             return f"{self.name} is missing ({type(error).__name__}: {error})"
         original = getattr(value, "__wrapped__", value)
         found = tuple(inspect.signature(original).parameters)
-        if found != self.parameters:
+        kept = tuple(p for p in found if p in self.parameters) if self.partial else found
+        if kept != self.parameters:
             return f"{self.name} has parameters {list(found)}, expected {list(self.parameters)}"
         return None
 
@@ -125,6 +127,28 @@ LLAMA4_LOAD_EXPERTS = PatchTarget(
         "fused",
     ),
 )
+GPT_OSS_FACTORY = PatchTarget(
+    "vllm.model_executor.models.gpt_oss",
+    "FusedMoEFactory",
+    ("num_experts", "enable_eplb", "num_redundant_experts"),
+    partial=True,
+)
+GPT_OSS_LOAD = PatchTarget(
+    "vllm.model_executor.models.gpt_oss", "GptOssModel.load_weights", ("self", "weights")
+)
+GPT_OSS_LOAD_OTHER = PatchTarget(
+    "vllm.model_executor.models.gpt_oss",
+    "GptOssModel._load_weights_other",
+    (
+        "self",
+        "ep_rank_end",
+        "ep_rank_start",
+        "heads_per_rank",
+        "head_start",
+        "weights",
+        "stacked_params_mapping",
+    ),
+)
 TARGETS = (
     ROUTING_HOOK,
     CPU_EXPERTS_APPLY,
@@ -134,6 +158,9 @@ TARGETS = (
     CREATE_ENGINE_CONFIG,
     SET_EPLB_STATE,
     LLAMA4_LOAD_EXPERTS,
+    GPT_OSS_FACTORY,
+    GPT_OSS_LOAD,
+    GPT_OSS_LOAD_OTHER,
 )
 
 _PLATFORM_GATE_MODULE = "vllm.config.parallel"

@@ -12,7 +12,14 @@ from __future__ import annotations
 import functools
 import logging
 
-from eplb_graph.integrations.vllm import compat, expert_parallel, gate, llama4_loading, routing
+from eplb_graph.integrations.vllm import (
+    compat,
+    expert_parallel,
+    gate,
+    gpt_oss,
+    llama4_loading,
+    routing,
+)
 from eplb_graph.integrations.vllm.options import PREFIX
 
 logger = logging.getLogger(__name__)
@@ -35,6 +42,7 @@ def install() -> None:
         routing.install()
         expert_parallel.install()
         llama4_loading.install()
+        gpt_oss.install()
         _install_runner_hooks()
     _install_engine_config_check(on_cpu)
     _installed = True

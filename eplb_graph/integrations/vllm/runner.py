@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from eplb_graph.errors import EplbError
 from eplb_graph.integrations.vllm import routing
 from eplb_graph.integrations.vllm.metrics import (
     BackgroundWriter,
@@ -31,6 +30,7 @@ from eplb_graph.integrations.vllm.metrics import (
     compile_counters,
     placement_digest,
 )
+from eplb_graph.integrations.vllm.moe_model import UnsupportedVllmModel, moe_model
 from eplb_graph.integrations.vllm.settings import VllmEplbSettings, eplb_settings
 from eplb_graph.movement.transport import GroupRing
 from eplb_graph.movement.views import make_expert_view
@@ -46,10 +46,6 @@ STEP_TIMES_KEPT = 4096
 STEPS_NOT_TIMED = 8
 """The first steps of an engine pay one-off costs (lazily compiled kernels, first allocations,
 seconds on a 2-rank CPU engine); they would dominate any percentile of serving step times."""
-
-
-class UnsupportedVllmModel(EplbError, RuntimeError):
-    """The loaded model or its expert kernel cannot be balanced by eplb-graph under vLLM."""
 
 
 class VllmEplbAdapter:
@@ -313,18 +309,6 @@ def _has_prefill(runner: Any) -> bool:
     return False
 
 
-def _moe_model(runner: Any):
-    from vllm.model_executor.models.interfaces import get_mixture_of_experts_model
-
-    model = get_mixture_of_experts_model(runner.model)
-    if model is None:
-        raise UnsupportedVllmModel(
-            f"enable_eplb is set but {type(runner.model).__name__} is not a mixture-of-experts "
-            "model vLLM can rebalance (MixtureOfExperts)"
-        )
-    return model
-
-
 def _bind_stats(model, state: EplbState) -> None:
     """Each layer's expert op times itself into ``state.expert_stats[layer]`` (rows, ns)."""
     for index, layer in enumerate(model.moe_layers):
@@ -363,7 +347,8 @@ def attach(runner: Any) -> VllmEplbAdapter:
     """Build this rank's EPLB after ``load_model`` and hand it to vLLM's runner."""
     from vllm.distributed.parallel_state import get_ep_group
 
-    model = _moe_model(runner)
+    redundant = runner.parallel_config.eplb_config.num_redundant_experts
+    model = moe_model(runner.model, int(redundant or 0))
     settings = eplb_settings(
         runner.vllm_config,
         num_layers=model.num_moe_layers,
