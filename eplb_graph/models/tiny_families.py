@@ -25,10 +25,13 @@ _COMMON = {
 }
 
 
-def _save(model, path: str | Path, seed: int) -> Path:
+def _save(build, path: str | Path, seed: int) -> Path:
+    """``build()`` under ``seed``: the same checkpoint every time (the model's own init draws
+    some one-dimensional parameters, e.g. GPT-OSS's sinks, before the weights are redrawn)."""
     import torch
 
     torch.manual_seed(seed)
+    model = build()
     with torch.no_grad():
         for parameter in model.parameters():
             if parameter.dim() >= 2:
@@ -55,7 +58,7 @@ def write_tiny_llama4(path: str | Path, *, seed: int = 0) -> Path:
         attention_chunk_size=8192,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
-    return _save(Llama4ForCausalLM(config), path, seed)
+    return _save(lambda: Llama4ForCausalLM(config), path, seed)
 
 
 def write_tiny_mixtral(path: str | Path, *, seed: int = 0) -> Path:
@@ -69,7 +72,7 @@ def write_tiny_mixtral(path: str | Path, *, seed: int = 0) -> Path:
         num_experts_per_tok=2,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
-    return _save(MixtralForCausalLM(config), path, seed)
+    return _save(lambda: MixtralForCausalLM(config), path, seed)
 
 
 def write_tiny_deepseek_v3(path: str | Path, *, seed: int = 0) -> Path:
@@ -100,7 +103,7 @@ def write_tiny_deepseek_v3(path: str | Path, *, seed: int = 0) -> Path:
         norm_topk_prob=True,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
-    return _save(DeepseekV3ForCausalLM(config), path, seed)
+    return _save(lambda: DeepseekV3ForCausalLM(config), path, seed)
 
 
 def write_tiny_gpt_oss(path: str | Path, *, seed: int = 0) -> Path:
@@ -117,6 +120,4 @@ def write_tiny_gpt_oss(path: str | Path, *, seed: int = 0) -> Path:
         sliding_window=16,
         layer_types=["sliding_attention", "full_attention"],
     )  # GPT-OSS's own YaRN rope parameters (vLLM's model reads them)
-    model = GptOssForCausalLM(config)
-    path = _save(model, path, seed)
-    return path
+    return _save(lambda: GptOssForCausalLM(config), path, seed)
