@@ -1,18 +1,19 @@
 """More MoE families in real vLLM engines (vLLM 0.32, CPU backend), with the plugin installed.
 
-One engine per family, started once (``tests/vllm_scenario.py``, as in ``test_vllm_engine.py``):
-TP=2 with expert parallelism, EPLB on (synchronous), 2 redundant slots, float32. Its greedy
-tokens must equal transformers' own greedy decoding of the same checkpoint (float32, one device,
-no expert parallelism, computed in the test process): the reference a one-rank engine or an
-EPLB-off engine of the same layout would give, since in float32 neither expert parallelism nor
-a placement changes a token (``test_vllm_engine.py`` checks both engines against each other on
-Qwen3-MoE). One engine per family instead of three keeps CI's time: each start costs 50-90 s.
+One engine per family, all started one after another in one process (``tests/vllm_scenario.py``
+with a list of engines: one process start and vLLM import for all of them), once per module:
+TP=2 with expert parallelism, EPLB on (synchronous), 2 redundant slots, float32. Each engine's
+greedy tokens must equal transformers' own greedy decoding of the same checkpoint (float32, one
+device, no expert parallelism, computed in the test process): the reference a one-rank engine or
+an EPLB-off engine of the same layout would give, since in float32 neither expert parallelism
+nor a placement changes a token (``test_vllm_engine.py`` checks both engines against each other
+on Qwen3-MoE). One engine per family instead of three keeps CI's time: each start costs 35-90 s.
 
 - Mixtral (softmax top-2), eager;
 - DeepSeek-V3 style (MLA, grouped top-k with sigmoid scores and a correction bias, a shared
-  expert), **compiled**: in eager mode vLLM's CPU rotary kernel rotates only head 0 of MLA's
-  3-D query, so eager DeepSeek tokens are wrong at TP=1 too (vLLM's bug, not worked around
-  here); MLA on CPU needs ``attention_config={"backend": "CPU_MLA"}`` and ``kv_lora_rank +
+  expert), **compiled**: in eager mode vLLM's CPU rotary kernel rotates only head 0 of MLA's 3-D
+  query, so eager DeepSeek tokens are wrong at TP=1 too (vLLM's bug, not worked around here);
+  MLA on CPU needs ``attention_config={"backend": "CPU_MLA"}`` and ``kv_lora_rank +
   qk_rope_head_dim = 576``;
 - Llama 4 (router weight applied on the input, top-1, fused expert weights): loads with
   redundant slots through ``integrations/vllm/llama4_loading.py``;
@@ -23,8 +24,23 @@ Qwen3-MoE). One engine per family instead of three keeps CI's time: each start c
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
-from test_vllm_engine import EPLB, MAX_TOKENS, PROMPTS, metrics, run_engine
+from test_vllm_engine import (
+    ENGINE_TIMEOUT_S,
+    EPLB,
+    MAX_TOKENS,
+    PROMPTS,
+    SCENARIO,
+    engine_environment,
+    metrics,
+)
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed: pip install -e '.[vllm]'")
 
@@ -55,28 +71,78 @@ def transformers_greedy(model_dir, prompts: list[list[int]], max_tokens: int) ->
     return tokens
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def family(request, tmp_path_factory):
+def run_engines(root: Path, engines: list[dict]) -> dict:
+    """Every engine of ``engines`` in one fresh process, one after another; name -> result."""
+    spec_path, out_path, log_path = (root / f"families.{ext}" for ext in ("spec", "out", "log"))
+    spec_path.write_text(json.dumps({"engines": engines}))
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, str(SCENARIO), str(spec_path), str(out_path)],
+            env=engine_environment(root / "cache", 2),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            returncode = process.wait(ENGINE_TIMEOUT_S * len(engines))
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            returncode = None
+    if returncode != 0 or not out_path.exists():
+        raise AssertionError(f"engines failed (exit {returncode}):\n{log_path.read_text()[-4000:]}")
+    return json.loads(out_path.read_text())
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """One EPLB engine per family (one process), started once for the module."""
     from eplb_graph.models import tiny_families
 
-    name = request.param
-    root = tmp_path_factory.mktemp(name)
-    model = getattr(tiny_families, f"write_tiny_{name}")(root / "model")
-    llm = {
-        **FAMILIES[name],
-        "tensor_parallel_size": 2,
-        "enable_expert_parallel": True,
-        "enable_eplb": True,
-        "eplb_config": {**EPLB, "use_async": False},
-        "additional_config": {"eplb_graph": {"metrics_path": str(root / "metrics")}},
-    }
-    out = run_engine(root, name, model, llm)
-    return {
-        "name": name,
-        "tokens": out["tokens"][0],
-        "metrics": metrics(root / "metrics"),
-        "reference": transformers_greedy(model, PROMPTS, MAX_TOKENS),
-    }
+    root = tmp_path_factory.mktemp("families")
+    engines = []
+    for name, options in FAMILIES.items():
+        model = getattr(tiny_families, f"write_tiny_{name}")(root / name)
+        llm = {
+            "skip_tokenizer_init": True,
+            "dtype": "float32",
+            "max_model_len": 128,
+            "max_num_seqs": 4,
+            "max_num_batched_tokens": 128,
+            "seed": 0,
+            **options,
+            "tensor_parallel_size": 2,
+            "enable_expert_parallel": True,
+            "enable_eplb": True,
+            "eplb_config": {**EPLB, "use_async": False},
+            "additional_config": {"eplb_graph": {"metrics_path": str(root / f"metrics-{name}")}},
+        }
+        engines.append(
+            {
+                "name": name,
+                "model": str(model),
+                "prompts": PROMPTS,
+                "llm": llm,
+                "max_tokens": MAX_TOKENS,
+            }
+        )
+    results = run_engines(root, engines)
+    for name in FAMILIES:
+        results[name].update(root=root, name=name, model=root / name)
+    return results
+
+
+@pytest.fixture(params=list(FAMILIES))
+def family(request, served):
+    result = served[request.param]
+    if "error" in result:
+        log = (result["root"] / "families.log").read_text()[-3000:]
+        pytest.fail(f"the {request.param} engine failed: {result['error']}\n{log}")
+    if "metrics" not in result:
+        result["tokens"] = result["tokens"][0]
+        result["metrics"] = metrics(result["root"] / f"metrics-{request.param}")
+        result["reference"] = transformers_greedy(result["model"], PROMPTS, MAX_TOKENS)
+    return result
 
 
 def test_rearrangements_commit_on_both_ranks_alike(family):
