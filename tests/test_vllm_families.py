@@ -40,6 +40,7 @@ from test_vllm_engine import (
     SCENARIO,
     engine_environment,
     metrics,
+    transformers_greedy,
 )
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed: pip install -e '.[vllm]'")
@@ -52,23 +53,6 @@ FAMILIES = {
     "llama4": {"enforce_eager": True},
     "gpt_oss": {"enforce_eager": True},
 }
-
-
-def transformers_greedy(model_dir, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Greedy tokens of transformers' own model class (float32, one device): the reference."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    tokens = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(
-                ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False
-            )
-            tokens.append(out[0, len(prompt) :].tolist())
-    return tokens
 
 
 def run_engines(root: Path, engines: list[dict]) -> dict:
