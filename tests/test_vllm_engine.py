@@ -113,23 +113,6 @@ def run_engine(root: Path, name: str, model: Path, llm: dict | None, snippet: st
     return json.loads(out_path.read_text())
 
 
-def transformers_greedy(model_dir, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Greedy tokens of transformers' own model class (float32, one device): the reference."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    tokens = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(
-                ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False
-            )
-            tokens.append(out[0, len(prompt) :].tolist())
-    return tokens
-
-
 def metrics(directory: Path) -> list[dict]:
     files = sorted(directory.glob("rank*.json"))
     assert [f.name for f in files] == ["rank0.json", "rank1.json"], files
@@ -326,10 +309,3 @@ def test_the_docs_server_command_serves_with_eplb_and_exports_prometheus_metrics
     )
     for rank in metrics(metrics_dir):
         assert rank["async"] is False and rank["rearrangements"] >= 3
-
-
-def test_one_rank_engine_equals_transformers_greedy(engines):
-    """The float32 reference ``test_vllm_families.py`` uses in place of a one-rank engine per
-    family (transformers' own model, one device) gives exactly the one-rank engine's tokens."""
-    reference = engines("tp1")["tokens"][0]
-    assert transformers_greedy(engines.model, PROMPTS, MAX_TOKENS) == reference

@@ -1,13 +1,17 @@
 """More MoE families in real vLLM engines (vLLM 0.32, CPU backend), with the plugin installed.
 
-One engine per family, all started one after another in one process (``tests/vllm_scenario.py``
-with a list of engines: one process start and vLLM import for all of them), once per module:
-TP=2 with expert parallelism, EPLB on (synchronous), 2 redundant slots, float32. Each engine's
-greedy tokens must equal transformers' own greedy decoding of the same checkpoint (float32, one
-device, no expert parallelism, computed in the test process): the reference a one-rank engine or
-an EPLB-off engine of the same layout would give, since in float32 neither expert parallelism
-nor a placement changes a token (``test_vllm_engine.py`` checks both engines against each other
-on Qwen3-MoE). One engine per family instead of three keeps CI's time: each start costs 35-90 s.
+Two engines per family, float32, all started one after another in one process
+(``tests/vllm_scenario.py`` with a list of engines: one process start and vLLM import for all),
+once per module, only for the families the selected tests ask for:
+
+- ``<family>-tp1``: one rank, no expert parallelism, EPLB off: the reference tokens;
+- ``<family>``: TP=2 with expert parallelism, EPLB on (synchronous), 2 redundant slots.
+
+The EPLB engine's greedy tokens must equal the reference's: which rank computes an expert and
+where experts moved change no token in float32. (transformers' own greedy decoding is not exact
+enough for a reference: it differs from a one-rank vLLM engine after ~50 tokens on near-ties.)
+``test_vllm_engine.py`` also compares with an EPLB-off engine of the same layout, on Qwen3-MoE;
+here one reference per family keeps CI's time (each engine costs 35-90 s).
 
 - Mixtral (softmax top-2), eager;
 - DeepSeek-V3 style (MLA, grouped top-k with sigmoid scores and a correction bias, a shared
@@ -40,7 +44,6 @@ from test_vllm_engine import (
     SCENARIO,
     engine_environment,
     metrics,
-    transformers_greedy,
 )
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed: pip install -e '.[vllm]'")
@@ -79,15 +82,18 @@ def run_engines(root: Path, engines: list[dict]) -> dict:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """One EPLB engine per family (one process), started once for the module."""
+def served(request, tmp_path_factory):
+    """One EPLB engine per selected family (one process), started once for the module."""
     from eplb_graph.models import tiny_families
 
+    selected = _selected_families(request)
     root = tmp_path_factory.mktemp("families")
     engines = []
     for name, options in FAMILIES.items():
+        if name not in selected:
+            continue
         model = getattr(tiny_families, f"write_tiny_{name}")(root / name)
-        llm = {
+        common = {
             "skip_tokenizer_init": True,
             "dtype": "float32",
             "max_model_len": 128,
@@ -95,37 +101,50 @@ def served(tmp_path_factory):
             "max_num_batched_tokens": 128,
             "seed": 0,
             **options,
+        }
+        eplb = {
             "tensor_parallel_size": 2,
             "enable_expert_parallel": True,
             "enable_eplb": True,
             "eplb_config": {**EPLB, "use_async": False},
             "additional_config": {"eplb_graph": {"metrics_path": str(root / f"metrics-{name}")}},
         }
-        engines.append(
-            {
-                "name": name,
-                "model": str(model),
-                "prompts": PROMPTS,
-                "llm": llm,
-                "max_tokens": MAX_TOKENS,
-            }
-        )
+        for run, llm, bind in ((f"{name}-tp1", {}, "0"), (name, eplb, "0|1")):
+            engines.append(
+                {
+                    "name": run,
+                    "model": str(model),
+                    "prompts": PROMPTS,
+                    "llm": {**common, "tensor_parallel_size": 1, **llm},
+                    "max_tokens": MAX_TOKENS,
+                    "env": {"VLLM_CPU_OMP_THREADS_BIND": bind},
+                }
+            )
     results = run_engines(root, engines)
-    for name in FAMILIES:
-        results[name].update(root=root, name=name, model=root / name)
+    for name in selected:
+        results[name].update(root=root, name=name, reference=results.pop(f"{name}-tp1"))
     return results
+
+
+def _selected_families(request) -> set[str]:
+    """The families this run's selected tests ask for (``-k mixtral`` starts one engine)."""
+    selected = set()
+    for item in request.session.items:
+        callspec = getattr(item, "callspec", None)
+        if item.module is request.module and callspec is not None:
+            selected.add(callspec.params.get("family"))
+    return selected & set(FAMILIES)
 
 
 @pytest.fixture(params=list(FAMILIES))
 def family(request, served):
     result = served[request.param]
-    if "error" in result:
-        log = (result["root"] / "families.log").read_text()[-3000:]
-        pytest.fail(f"the {request.param} engine failed: {result['error']}\n{log}")
+    for engine in (result, result["reference"]):
+        if "error" in engine:
+            log = (result["root"] / "families.log").read_text()[-3000:]
+            pytest.fail(f"an engine of {request.param} failed: {engine['error']}\n{log}")
     if "metrics" not in result:
-        result["tokens"] = result["tokens"][0]
         result["metrics"] = metrics(result["root"] / f"metrics-{request.param}")
-        result["reference"] = transformers_greedy(result["model"], PROMPTS, MAX_TOKENS)
     return result
 
 
@@ -150,8 +169,8 @@ def test_rearrangements_commit_on_both_ranks_alike(family):
             assert compiled["unique_graphs"] == compiled["unique_graphs_at_first_step"]
 
 
-def test_tokens_equal_one_device_without_expert_parallelism(family):
+def test_tokens_equal_one_rank_without_expert_parallelism_or_eplb(family):
     """float32: which rank computes an expert, and where experts moved, changes no token."""
-    tokens = family["tokens"]
+    tokens = family["tokens"][0]
     assert len(tokens) == len(PROMPTS) and all(len(t) == MAX_TOKENS for t in tokens)
-    assert tokens == family["reference"]
+    assert tokens == family["reference"]["tokens"][0]

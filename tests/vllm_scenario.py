@@ -20,6 +20,7 @@ the main guard.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -42,6 +43,7 @@ def main(spec_path: str, out_path: str) -> None:
 
 def run(spec: dict, shut_down: bool = False) -> dict:
     """One engine: start it, generate greedily (and shut it down); its tokens and start time."""
+    os.environ.update(spec.get("env", {}))  # read by the engine processes it spawns
     prompts = [{"prompt_token_ids": prompt} for prompt in spec["prompts"]]
     started = time.perf_counter()
     if "snippet" in spec:

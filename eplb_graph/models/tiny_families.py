@@ -25,7 +25,7 @@ _COMMON = {
 }
 
 
-def _save(build, path: str | Path, seed: int) -> Path:
+def _save(build, path: str | Path, seed: int, *, then=None) -> Path:
     """``build()`` under ``seed``: the same checkpoint every time (the model's own init draws
     some one-dimensional parameters, e.g. GPT-OSS's sinks, before the weights are redrawn)."""
     import torch
@@ -36,6 +36,8 @@ def _save(build, path: str | Path, seed: int) -> Path:
         for parameter in model.parameters():
             if parameter.dim() >= 2:
                 parameter.normal_(0, 0.1)
+        if then is not None:
+            then(model)
     path = Path(path)
     model.save_pretrained(path)
     return path
@@ -102,8 +104,16 @@ def write_tiny_deepseek_v3(path: str | Path, *, seed: int = 0) -> Path:
         first_k_dense_replace=0,
         norm_topk_prob=True,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        # What DeepSeek-V3's own config.json says and vLLM reads (transformers assumes both).
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
     )
-    return _save(lambda: DeepseekV3ForCausalLM(config), path, seed)
+
+    def correction_bias(model) -> None:  # transformers starts it at 0: make it steer routing
+        for layer in model.model.layers:
+            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
+
+    return _save(lambda: DeepseekV3ForCausalLM(config), path, seed, then=correction_bias)
 
 
 def write_tiny_gpt_oss(path: str | Path, *, seed: int = 0) -> Path:
