@@ -15,7 +15,7 @@ pytest.importorskip("vllm", reason="the vllm extra is not installed: pip install
 
 from eplb_graph.errors import EplbError
 from eplb_graph.integrations.vllm.compat import GPT_OSS_FACTORY, PatchTarget
-from eplb_graph.integrations.vllm.gpt_oss import _expanded
+from eplb_graph.integrations.vllm.gpt_oss import GptOssRedundantSlotsError, _expanded
 from eplb_graph.integrations.vllm.moe_model import UnsupportedVllmModel, moe_model
 
 
@@ -34,6 +34,12 @@ def test_fused_expert_tensors_expand_to_the_default_physical_layout():
     assert torch.equal(out["layers.0.mlp.experts.w13_weight"], w13[slots])
     assert torch.equal(out["layers.0.mlp.experts.w2_bias"], bias[slots])
     assert out["layers.0.attn.qkv_proj.weight"] is other
+
+
+def test_per_expert_checkpoint_tensors_are_refused_with_redundant_slots():
+    stream = [("layers.0.mlp.experts.3.w13_weight", torch.zeros(2, 2))]
+    with pytest.raises(GptOssRedundantSlotsError, match="holds one expert"):
+        list(_expanded(iter(stream), 4, 2))
 
 
 def test_the_factory_target_checks_the_parameters_the_patch_passes():

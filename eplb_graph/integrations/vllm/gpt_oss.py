@@ -21,12 +21,14 @@ mxfp4 and quark loaders are not changed: with redundant slots they are refused b
 from __future__ import annotations
 
 import functools
+import re
 
 from eplb_graph.errors import EplbError
 from eplb_graph.integrations.vllm.llama4_loading import physical_rows
 
 EXPERT_TENSORS = (".w13_weight", ".w2_weight", ".w13_bias", ".w2_bias")
 """vLLM's names (after its checkpoint mapper) of GPT-OSS's fused per-expert tensors."""
+_PER_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.")
 
 
 class GptOssRedundantSlotsError(EplbError, RuntimeError):
@@ -105,8 +107,18 @@ def install() -> None:
 
 
 def _expanded(weights, num_logical: int, redundant: int):
-    """The checkpoint stream with every fused expert tensor ``[N, ...]`` -> ``[N + R, ...]``."""
+    """The checkpoint stream with every fused expert tensor ``[N, ...]`` -> ``[N + R, ...]``.
+
+    Per-expert tensors (``...mlp.experts.<id>.<name>``, vLLM's "streamed" GPT-OSS format) would
+    load each expert into its own slot only and leave the redundant slots empty: refused.
+    """
     for name, weight in weights:
+        if _PER_EXPERT.search(name):
+            raise GptOssRedundantSlotsError(
+                f"GPT-OSS checkpoint tensor {name!r} holds one expert: eplb-graph expands only "
+                "fused expert tensors [experts, ...] to redundant slots; serve this checkpoint "
+                "with num_redundant_experts=0"
+            )
         if name.endswith(EXPERT_TENSORS) and weight.ndim >= 2 and weight.shape[0] == num_logical:
             weight = physical_rows(weight, redundant)
         yield name, weight
