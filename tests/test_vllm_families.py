@@ -170,10 +170,9 @@ def test_rearrangements_commit_on_both_ranks_alike(family):
 
 
 DEEPSEEK_TOKENS_OPEN = (
-    "open (issue 20): DeepSeek-V3-style tokens under TP=2 + EP + EPLB (compiled, float32) differ "
-    "from the one-rank engine from the first tokens, one prompt goes to NaN logits (token 0) "
-    "while rearrangements commit cleanly; the cause (vLLM's TP=2 MLA on CPU, EP, or the plugin) "
-    "is not yet isolated"
+    "open (issue 20): DeepSeek-V3-style tokens (compiled, float32) differ from the one-rank "
+    "engine already without EPLB: TP=2 without EP from the 3rd token (token 0, NaN-like, later), "
+    "TP=2 + EP from the 1st; with EPLB one prompt reaches NaN logits. Not isolated further"
 )
 
 
