@@ -1,47 +1,185 @@
 """More MoE families in real vLLM engines (vLLM 0.32, CPU backend), with the plugin installed.
 
-One engine per family, started once per module (``tests/vllm_scenario.py``, as in
-``test_vllm_engine.py``): TP=2 with expert parallelism, EPLB on (synchronous, eager), 2 redundant
-slots. Llama 4 (fused expert weights, router weight on the input) failed to load with redundant
-slots in vLLM's own loader (``IndexError``) before ``integrations/vllm/llama4_loading.py``.
-Its tokens under expert parallelism are not asserted here: the weight-0 exclusion of
-``expert_parallel.to_local`` is wrong for a router weight applied on the input (issue 20; the
-row-exclusion op of issue 17 fixes it).
+Two engines per family, float32, all started one after another in one process
+(``tests/vllm_scenario.py`` with a list of engines: one process start and vLLM import for all),
+once per module, only for the families the selected tests ask for:
+
+- ``<family>-tp1``: one rank, no expert parallelism, EPLB off: the reference tokens;
+- ``<family>``: TP=2 with expert parallelism, EPLB on (synchronous), 2 redundant slots.
+
+The EPLB engine's greedy tokens must equal the reference's: which rank computes an expert and
+where experts moved change no token in float32. (transformers' own greedy decoding is not exact
+enough for a reference: it differs from a one-rank vLLM engine after ~50 tokens on near-ties.)
+``test_vllm_engine.py`` also compares with an EPLB-off engine of the same layout, on Qwen3-MoE;
+here one reference per family keeps CI's time (each engine costs 35-90 s).
+
+- Mixtral (softmax top-2), eager;
+- DeepSeek-V3 style (MLA, grouped top-k with sigmoid scores and a correction bias, a shared
+  expert), **compiled**: in eager mode vLLM's CPU rotary kernel rotates only head 0 of MLA's 3-D
+  query, so eager DeepSeek tokens are wrong at TP=1 too (vLLM's bug, not worked around here);
+  MLA on CPU needs ``attention_config={"backend": "CPU_MLA"}`` and ``kv_lora_rank +
+  qk_rope_head_dim = 576``;
+- Llama 4 (router weight applied on the input, top-1, fused expert weights): loads with
+  redundant slots through ``integrations/vllm/llama4_loading.py``;
+- GPT-OSS (expert biases, ``swigluoai``, attention sinks, sliding window): vLLM's model class
+  lacks the ``MixtureOfExperts`` interface and builds no redundant slots;
+  ``integrations/vllm/gpt_oss.py`` and ``moe_model.py`` supply both.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
-from test_vllm_engine import EPLB, metrics, run_engine
+from test_vllm_engine import (
+    ENGINE_TIMEOUT_S,
+    EPLB,
+    MAX_TOKENS,
+    PROMPTS,
+    SCENARIO,
+    engine_environment,
+    metrics,
+)
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed: pip install -e '.[vllm]'")
 
 pytestmark = pytest.mark.vllm
 
+FAMILIES = {
+    "mixtral": {"enforce_eager": True},
+    "deepseek_v3": {"enforce_eager": False, "attention_config": {"backend": "CPU_MLA"}},
+    "llama4": {"enforce_eager": True},
+    "gpt_oss": {"enforce_eager": True},
+}
+
+
+def run_engines(root: Path, engines: list[dict]) -> dict:
+    """Every engine of ``engines`` in one fresh process, one after another; name -> result."""
+    spec_path, out_path, log_path = (root / f"families.{ext}" for ext in ("spec", "out", "log"))
+    spec_path.write_text(json.dumps({"engines": engines}))
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, str(SCENARIO), str(spec_path), str(out_path)],
+            env=engine_environment(root / "cache", 2),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            returncode = process.wait(ENGINE_TIMEOUT_S * len(engines))
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            returncode = None
+    if returncode != 0 or not out_path.exists():
+        raise AssertionError(f"engines failed (exit {returncode}):\n{log_path.read_text()[-4000:]}")
+    return json.loads(out_path.read_text())
+
 
 @pytest.fixture(scope="module")
-def llama4(tmp_path_factory):
-    from eplb_graph.models.tiny_families import write_tiny_llama4
+def served(request, tmp_path_factory):
+    """One EPLB engine per selected family (one process), started once for the module."""
+    from eplb_graph.models import tiny_families
 
-    root = tmp_path_factory.mktemp("l4")
-    model = write_tiny_llama4(root / "model")
-    llm = {
-        "tensor_parallel_size": 2,
-        "enable_expert_parallel": True,
-        "enforce_eager": True,
-        "enable_eplb": True,
-        "eplb_config": {**EPLB, "use_async": False},
-        "additional_config": {"eplb_graph": {"metrics_path": str(root / "metrics")}},
-    }
-    result = run_engine(root, "llama4", model, llm)
-    result["metrics"] = metrics(root / "metrics")
+    selected = _selected_families(request)
+    root = tmp_path_factory.mktemp("families")
+    engines = []
+    for name, options in FAMILIES.items():
+        if name not in selected:
+            continue
+        model = getattr(tiny_families, f"write_tiny_{name}")(root / name)
+        common = {
+            "skip_tokenizer_init": True,
+            "dtype": "float32",
+            "max_model_len": 128,
+            "max_num_seqs": 4,
+            "max_num_batched_tokens": 128,
+            "seed": 0,
+            **options,
+        }
+        eplb = {
+            "tensor_parallel_size": 2,
+            "enable_expert_parallel": True,
+            "enable_eplb": True,
+            "eplb_config": {**EPLB, "use_async": False},
+            "additional_config": {"eplb_graph": {"metrics_path": str(root / f"metrics-{name}")}},
+        }
+        for run, llm, bind in ((f"{name}-tp1", {}, "0"), (name, eplb, "0|1")):
+            engines.append(
+                {
+                    "name": run,
+                    "model": str(model),
+                    "prompts": PROMPTS,
+                    "llm": {**common, "tensor_parallel_size": 1, **llm},
+                    "max_tokens": MAX_TOKENS,
+                    "env": {"VLLM_CPU_OMP_THREADS_BIND": bind},
+                }
+            )
+    results = run_engines(root, engines)
+    for name in selected:
+        results[name].update(root=root, name=name, reference=results.pop(f"{name}-tp1"))
+    return results
+
+
+def _selected_families(request) -> set[str]:
+    """The families this run's selected tests ask for (``-k mixtral`` starts one engine)."""
+    selected = set()
+    for item in request.session.items:
+        callspec = getattr(item, "callspec", None)
+        if item.module is request.module and callspec is not None:
+            selected.add(callspec.params.get("family"))
+    return selected & set(FAMILIES)
+
+
+@pytest.fixture(params=list(FAMILIES))
+def family(request, served):
+    result = served[request.param]
+    for engine in (result, result["reference"]):
+        if "error" in engine:
+            log = (result["root"] / "families.log").read_text()[-3000:]
+            pytest.fail(f"an engine of {request.param} failed: {engine['error']}\n{log}")
+    if "metrics" not in result:
+        result["metrics"] = metrics(result["root"] / f"metrics-{request.param}")
     return result
 
 
-def test_llama4_loads_with_redundant_slots_and_commits_rearrangements(llama4):
-    per_rank = llama4["metrics"]
-    assert all(len(tokens) > 0 for tokens in llama4["tokens"][0])
+def test_rearrangements_commit_on_both_ranks_alike(family):
+    from eplb_graph import Placement
+    from eplb_graph.integrations.vllm.metrics import placement_digest
+
+    layers = 2
+    initial = placement_digest(
+        Placement.default(layers, 8, EPLB["num_redundant_experts"], 2).phy2log
+    )
+    per_rank = family["metrics"]
     for rank in per_rank:
         assert rank["rearrangements"] >= 2 and rank["layers_committed"] >= 2, rank
         assert rank["aborted"] == 0 and rank["last_error"] is None, rank
+        assert rank["placement_digest"] != initial, rank
     assert len({rank["placement_digest"] for rank in per_rank}) == 1
+    if not FAMILIES[family["name"]]["enforce_eager"]:  # compiled: one graph, commits in place
+        for rank in per_rank:
+            compiled = rank["compile"]
+            assert compiled["graph_breaks"] == 0 and compiled["unique_graphs"] >= 1
+            assert compiled["unique_graphs"] == compiled["unique_graphs_at_first_step"]
+
+
+DEEPSEEK_TOKENS_OPEN = (
+    "open (issue 20): DeepSeek-V3-style tokens (compiled, float32) differ from the one-rank "
+    "engine already without EPLB: TP=2 without EP from the 3rd token (token 0, NaN-like, later), "
+    "TP=2 + EP from the 1st; with EPLB one prompt reaches NaN logits. Not isolated further"
+)
+
+
+def test_tokens_equal_one_rank_without_expert_parallelism_or_eplb(family, request):
+    """float32: which rank computes an expert, and where experts moved, changes no token."""
+    if family["name"] == "deepseek_v3":
+        request.applymarker(pytest.mark.xfail(strict=True, reason=DEEPSEEK_TOKENS_OPEN))
+    tokens = family["tokens"][0]
+    assert len(tokens) == len(PROMPTS) and all(len(t) == MAX_TOKENS for t in tokens)
+    assert tokens == family["reference"]["tokens"][0]

@@ -15,10 +15,10 @@ from typing import Any
 import torch
 
 from eplb_graph.integrations.vllm import quantized, routing
+from eplb_graph.integrations.vllm.moe_model import UnsupportedVllmModel, moe_model
 from eplb_graph.integrations.vllm.runner import (
     GROUP_RING_SIZE,
     GROUP_TIMEOUT_S,
-    UnsupportedVllmModel,
     VllmEplbAdapter,
 )
 from eplb_graph.integrations.vllm.settings import eplb_settings, staging_budget_config_error
@@ -31,18 +31,6 @@ from eplb_graph.runtime import EplbRuntime
 from eplb_graph.state import EplbState
 
 logger = logging.getLogger(__name__)
-
-
-def _moe_model(runner: Any):
-    from vllm.model_executor.models.interfaces import get_mixture_of_experts_model
-
-    model = get_mixture_of_experts_model(runner.model)
-    if model is None:
-        raise UnsupportedVllmModel(
-            f"enable_eplb is set but {type(runner.model).__name__} is not a mixture-of-experts "
-            "model vLLM can rebalance (MixtureOfExperts)"
-        )
-    return model
 
 
 def _bind_stats(model, state: EplbState) -> None:
@@ -97,7 +85,8 @@ def attach(runner: Any) -> VllmEplbAdapter:
     """Build this rank's EPLB after ``load_model`` and hand it to vLLM's runner."""
     from vllm.distributed.parallel_state import get_ep_group
 
-    model = _moe_model(runner)
+    redundant = runner.parallel_config.eplb_config.num_redundant_experts
+    model = moe_model(runner.model, int(redundant or 0))
     adapter = start(
         runner,
         model,

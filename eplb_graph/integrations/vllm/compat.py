@@ -31,6 +31,7 @@ class PatchTarget:
     module: str
     attribute: str  # dotted inside the module, e.g. "CPUUnquantizedExperts.apply"
     parameters: tuple[str, ...]
+    partial: bool = False  # True: the target must have at least these parameters, in this order
 
     @property
     def name(self) -> str:
@@ -54,7 +55,8 @@ class PatchTarget:
         if isinstance(original, property):  # a read-only attribute: check its getter
             original = original.fget
         found = tuple(inspect.signature(original).parameters)
-        if found != self.parameters:
+        kept = tuple(p for p in found if p in self.parameters) if self.partial else found
+        if kept != self.parameters:
             return f"{self.name} has parameters {list(found)}, expected {list(self.parameters)}"
         return None
 
@@ -140,6 +142,28 @@ LLAMA4_LOAD_EXPERTS = PatchTarget(
     ),
 )
 ENGINE_PROCS_SHUTDOWN = PatchTarget("vllm.v1.engine.utils", "shutdown", ("procs", "timeout"))
+GPT_OSS_FACTORY = PatchTarget(
+    "vllm.model_executor.models.gpt_oss",
+    "FusedMoEFactory",
+    ("num_experts", "enable_eplb", "num_redundant_experts"),
+    partial=True,
+)
+GPT_OSS_LOAD = PatchTarget(
+    "vllm.model_executor.models.gpt_oss", "GptOssModel.load_weights", ("self", "weights")
+)
+GPT_OSS_LOAD_OTHER = PatchTarget(
+    "vllm.model_executor.models.gpt_oss",
+    "GptOssModel._load_weights_other",
+    (
+        "self",
+        "ep_rank_end",
+        "ep_rank_start",
+        "heads_per_rank",
+        "head_start",
+        "weights",
+        "stacked_params_mapping",
+    ),
+)
 TARGETS = (
     ROUTING_HOOK,
     CPU_EXPERTS_APPLY,
@@ -153,6 +177,9 @@ TARGETS = (
     CPU_INT8_EXPERTS_DEVICE,
     W8A8_INT8_SUPPORTS_EPLB,
     ENGINE_PROCS_SHUTDOWN,
+    GPT_OSS_FACTORY,
+    GPT_OSS_LOAD,
+    GPT_OSS_LOAD_OTHER,
 )
 
 _PLATFORM_GATE_MODULE = "vllm.config.parallel"

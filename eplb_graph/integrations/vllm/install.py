@@ -18,6 +18,7 @@ from eplb_graph.integrations.vllm import (
     compat,
     expert_parallel,
     gate,
+    gpt_oss,
     llama4_loading,
     quantized,
     routing,
@@ -51,6 +52,7 @@ def install() -> None:
         expert_parallel.install()
         llama4_loading.install()
         quantized.install()
+        gpt_oss.install()
         _install_runner_hooks()
         closing.install()
     _install_engine_config_check(on_cpu or on_ascend)

@@ -22,7 +22,6 @@ import time
 from collections import deque
 from typing import Any
 
-from eplb_graph.errors import EplbError
 from eplb_graph.integrations.vllm.metrics import (
     BackgroundWriter,
     RankMetricsFile,
@@ -44,10 +43,6 @@ STEP_TIMES_KEPT = 4096
 STEPS_NOT_TIMED = 8
 """The first steps of an engine pay one-off costs (lazily compiled kernels, first allocations,
 seconds on a 2-rank CPU engine); they would dominate any percentile of serving step times."""
-
-
-class UnsupportedVllmModel(EplbError, RuntimeError):
-    """The loaded model or its expert kernel cannot be balanced by eplb-graph under vLLM."""
 
 
 class VllmEplbAdapter:

@@ -22,7 +22,8 @@ from typing import Any
 
 from eplb_graph.integrations.vllm import routing as vllm_routing
 from eplb_graph.integrations.vllm.attach import start
-from eplb_graph.integrations.vllm.runner import UnsupportedVllmModel, VllmEplbAdapter
+from eplb_graph.integrations.vllm.moe_model import UnsupportedVllmModel
+from eplb_graph.integrations.vllm.runner import VllmEplbAdapter
 from eplb_graph.integrations.vllm_ascend.routing import RouterRecording, adapt_router
 from eplb_graph.integrations.vllm_ascend.weights import layer_view
 
