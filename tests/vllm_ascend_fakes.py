@@ -210,7 +210,8 @@ def fake_vllm_config(num_experts: int, redundant: int, ep_size: int, use_async: 
     )
     return SimpleNamespace(
         parallel_config=parallel,
-        model_config=SimpleNamespace(get_num_experts=lambda: num_experts),
+        model_config=SimpleNamespace(get_num_experts=lambda: num_experts, enforce_eager=True),
+        compilation_config=SimpleNamespace(mode=0),  # vLLM's CompilationMode.NONE
         additional_config={"eplb_graph": {}},
         speculative_config=None,
     )
