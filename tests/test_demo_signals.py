@@ -58,6 +58,10 @@ def _alive(pid: int) -> bool:
     return fields[0] != "Z"
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class RunningDemo:
     """An ``eplb-graph demo`` in its own process, with a private TMPDIR to watch."""
 
@@ -82,6 +86,10 @@ class RunningDemo:
             stderr=subprocess.PIPE,
             text=True,
             env=env,
+            # A foreground command in a terminal has SIGINT at its default. An ignored SIGINT is
+            # inherited across exec, and the demo rightly keeps an ignored SIGINT ignored (a
+            # background job), so a test runner that ignores it must not pass that on.
+            preexec_fn=_default_sigint,
         )
 
     def scratch_dirs(self) -> list[Path]:
