@@ -205,9 +205,11 @@ def test_skewed_router_is_better_balanced_with_eplb(engines):
     fixed = engines("fixed")["metrics"][0]["balancedness_windows"]
     balanced = engines("async_compiled")["metrics"][0]["balancedness_windows"]
     assert len(fixed) >= 5 and len(balanced) >= 5
-    # The first windows ran under the default placement in both runs; compare what came after.
-    off = sum(fixed[2:]) / len(fixed[2:])
-    on = sum(balanced[2:]) / len(balanced[2:])
+    # The first windows ran under the default placement in both runs, and the asynchronous
+    # worker may take a few windows on a loaded machine: compare the later half of each run.
+    later_off, later_on = fixed[len(fixed) // 2 :], balanced[len(balanced) // 2 :]
+    off = sum(later_off) / len(later_off)
+    on = sum(later_on) / len(later_on)
     assert on > off + 0.03, (off, on)
 
 
