@@ -36,6 +36,7 @@ def make_tensors(format_name: str, slots: int, seed: int) -> tuple[dict, dict]:
     """Live tensors of one layer with ``slots`` expert slots, in ``format_name``."""
     seeds = itertools.count(seed)
     h, i = HIDDEN, INTER
+    tensors: dict[str, torch.Tensor] = {}
     if format_name.startswith("unquantized"):
         tensors = {
             "w13": fill((slots, 2 * i, h), torch.bfloat16, next(seeds)),
@@ -65,6 +66,12 @@ def make_tensors(format_name: str, slots: int, seed: int) -> tuple[dict, dict]:
             "w13_scale": fill((slots, 2 * i, 1), torch.float32, next(seeds)),
             "w2_scale": fill((slots, h), torch.float32, next(seeds)),
         }
+    elif format_name == "cpu_int4_packed":  # vLLM's int4 tiles: 32 channels x 64 inputs each
+        for stem, rows, cols in (("w13", 2 * i, h), ("w2", h, i)):
+            tiles = (slots, rows // 32, cols // 64)
+            tensors[stem] = fill((*tiles, 32 * 64 // 2 + 128), torch.uint8, next(seeds))
+            tensors[f"{stem}_scale"] = fill((*tiles, 32), torch.float32, next(seeds))
+            tensors[f"{stem}_zp"] = fill((*tiles, 32), torch.int8, next(seeds))
     elif format_name == "strided_packed":
         tensors = {
             "w13": fill((h, slots, 2 * i), torch.float16, next(seeds)),

@@ -53,14 +53,14 @@ def _weight_views(model) -> list:
     for index, layer in enumerate(model.moe_layers):
         experts = layer.routed_experts
         kernel = getattr(getattr(experts.quant_method, "moe_kernel", None), "fused_experts", None)
-        if quantized.is_int8_experts(kernel):
+        if quantized.format_of(kernel) is not None:
             views.append(quantized.weight_view(index, experts, kernel))
             continue
         if not isinstance(kernel, CPUUnquantizedExperts):
             raise UnsupportedVllmModel(
                 f"MoE layer {index} runs {type(kernel).__name__}; eplb-graph moves the weights of "
-                "vLLM's unquantized CPU experts (bf16/fp32) and of its W8A8 int8 CPU experts "
-                "(CPUExpertsInt8) only"
+                "vLLM's unquantized CPU experts (bf16/fp32) and of its quantized CPU experts "
+                f"{[f.experts_class for f in quantized.FORMATS]} only"
             )
         tensors = {"w13": experts.w13_weight.data, "w2": experts.w2_weight.data}
         for name in ("w13_bias", "w2_bias"):

@@ -107,6 +107,18 @@ W8A8_INT8_SUPPORTS_EPLB = PatchTarget(
     "CompressedTensorsW8A8Int8MoEMethod.supports_eplb",
     ("self",),
 )
+CPU_INT4_EXPERTS_APPLY = PatchTarget(
+    CPU_EXPERTS_APPLY.module, "CPUExpertsInt4.apply", CPU_EXPERTS_APPLY.parameters
+)
+CPU_INT4_EXPERTS_DEVICE = PatchTarget(
+    CPU_EXPERTS_APPLY.module, "CPUExpertsInt4._supports_current_device", ()
+)
+WNA16_SUPPORTS_EPLB = PatchTarget(
+    "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
+    "compressed_tensors_moe_wna16",
+    "CompressedTensorsWNA16MoEMethod.supports_eplb",
+    ("self",),
+)
 CPU_LOAD_MODEL = PatchTarget(
     "vllm.v1.worker.cpu_model_runner", "CPUModelRunner.load_model", ("self", "load_dummy_weights")
 )
@@ -176,6 +188,9 @@ TARGETS = (
     CPU_INT8_EXPERTS_APPLY,
     CPU_INT8_EXPERTS_DEVICE,
     W8A8_INT8_SUPPORTS_EPLB,
+    CPU_INT4_EXPERTS_APPLY,
+    CPU_INT4_EXPERTS_DEVICE,
+    WNA16_SUPPORTS_EPLB,
     ENGINE_PROCS_SHUTDOWN,
     GPT_OSS_FACTORY,
     GPT_OSS_LOAD,

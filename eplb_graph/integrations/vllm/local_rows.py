@@ -86,6 +86,24 @@ def _cpu_int8_w8a8(out, rows, weights, topk_weights, topk_ids, activation, isa, 
     )  # fmt: skip
 
 
+@register_kernel("cpu_int4_w4a8")
+def _cpu_int4_w4a8(out, rows, weights, topk_weights, topk_ids, activation, isa, on_input):
+    """vLLM's W4A16 CPU kernel (CPUExpertsInt4: int4 group weights blocked with their scales
+    and zero points, activations quantized to int8 per token inside, SiLU-and-mul only)."""
+    from vllm._custom_ops import CPUQuantMethod, fused_experts_cpu
+
+    if on_input or activation != "silu":
+        raise LocalRowsError(
+            "the int4 CPU kernel computes silu experts with the router weight on the output only "
+            f"(got activation {activation!r}, weight_on_input={on_input})"
+        )
+    w13, w2, w13_scale, w2_scale, w13_zp, w2_zp = weights
+    fused_experts_cpu(
+        out, rows, w13, w2, topk_weights, topk_ids, CPUQuantMethod.INT4_W4A8, w13_scale, w2_scale,
+        w13_zp, w2_zp, None, None, None, None, None, True,
+    )  # fmt: skip
+
+
 def _check(hidden, topk_ids, topk_weights, expert_map, stats, kernel) -> None:
     if kernel not in KERNELS:
         raise LocalRowsError(f"kernel {kernel!r} is not one of {sorted(KERNELS)}")

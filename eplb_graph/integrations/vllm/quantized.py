@@ -1,29 +1,30 @@
-"""Quantized experts on vLLM's CPU backend: W8A8 int8 (``CPUExpertsInt8``) with EP and EPLB.
+"""Quantized experts on vLLM's CPU backend with EP and EPLB: the experts classes the plugin moves.
 
-Both of vLLM's W8A8 int8 MoE methods, compressed-tensors checkpoints
-(``CompressedTensorsW8A8Int8MoEMethod``) and online quantization (``quantization=
-"experts_int8"``, ``Int8OnlineMoEMethod``), run ``CPUExpertsInt8`` on CPU. Three things stand
-between them and expert parallelism with EPLB, and each is fixed here, for this experts class
-only (the formats the plugin really moves):
+Each entry of :data:`FORMATS` is one vLLM CPU experts class whose weights eplb-graph really
+moves, whole: W8A8 int8 (``CPUExpertsInt8``: vLLM's compressed-tensors W8A8 int8 method and
+online ``quantization="experts_int8"``) and W4A16 (``CPUExpertsInt4``: compressed-tensors
+``pack-quantized`` int4 groups). Three things stand between such a class and expert parallelism
+with EPLB, and each is fixed here, for the listed classes only:
 
-- **Local rows**: ``CPUExpertsInt8.apply`` hands its kernel global slot ids and no expert map,
+- **Local rows**: these classes' ``apply`` hands the kernel global slot ids and no expert map,
   so with expert parallelism it indexes past the rank's weights (a segfault in
-  ``moe_align_block_size``). The wrapper calls ``torch.ops.eplb_graph.vllm_local_experts``
-  with the ``cpu_int8_w8a8`` kernel instead: vLLM's own kernel on the rank's own rows.
-- **EPLB refusal**: compressed-tensors' method says ``supports_eplb = False`` and vLLM raises
+  ``moe_align_block_size``). The wrapper calls ``torch.ops.eplb_graph.vllm_local_experts`` with
+  the format's kernel instead: vLLM's own kernel on the rank's own rows.
+- **EPLB refusal**: the quantization method says ``supports_eplb = False`` and vLLM raises
   ``NotImplementedError`` when the layer is built. It now says ``True`` when (and only when) its
-  experts are ``CPUExpertsInt8``, whose weights and scales :func:`weight_view` moves.
-- **Device gate**: vLLM offers ``CPUExpertsInt8`` on x86 CPUs with AMX tiles only, though its
-  kernel (``fused_experts_cpu``, INT8_W8A8) has an AVX-512 path: on CPUs with AVX-512, VNNI and
-  AVX-512-BF16 but no AMX (AMD EPYC, this project's CI machines) vLLM otherwise has no int8 MoE
-  backend at all. The gate is opened there, with one INFO line; the tests check that path's
-  results against a dequantized reference.
+  experts are the listed class, whose weights, scales and zero points :func:`weight_view` moves.
+- **Device gate**: vLLM offers both classes on x86 CPUs with AMX tiles only, though their kernel
+  (``fused_experts_cpu``, INT8_W8A8 and INT4_W4A8: int8 VNNI dot products either way) has an
+  AVX-512 path: on CPUs with AVX-512, VNNI and AVX-512-BF16 but no AMX (AMD EPYC, this
+  project's CI machines) vLLM otherwise has no int8 or int4 MoE backend at all. The gate is
+  opened there, with one INFO line; the tests check that path against dequantized references.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -38,8 +39,61 @@ class QuantizedLayerError(compat.VllmPluginError):
     """A quantized MoE layer's live tensors are not the ones its kernel reads."""
 
 
+@dataclass(frozen=True)
+class QuantizedExperts:
+    """One vLLM CPU experts class whose weights the plugin moves, and how it is wired.
+
+    ``tensors``: ``(view name, kernel attribute, layer attribute names)`` for every per-expert
+    tensor besides ``w13``/``w2``, in the order the local-rows kernel takes them. The kernel's
+    attribute (what it reads) must be one of the layer's parameters, so a moved tensor is the
+    one vLLM's model sees too.
+    """
+
+    experts_class: str
+    kernel: str
+    view_format: str
+    apply: compat.PatchTarget
+    device: compat.PatchTarget
+    supports_eplb: compat.PatchTarget
+    tensors: tuple[tuple[str, str, tuple[str, ...]], ...]
+
+    def experts_type(self) -> type:
+        from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+
+        return getattr(cpu_moe, self.experts_class)
+
+
+INT8 = QuantizedExperts(
+    experts_class="CPUExpertsInt8",
+    kernel="cpu_int8_w8a8",
+    view_format="cpu_int8_packed",
+    apply=compat.CPU_INT8_EXPERTS_APPLY,
+    device=compat.CPU_INT8_EXPERTS_DEVICE,
+    supports_eplb=compat.W8A8_INT8_SUPPORTS_EPLB,
+    tensors=(
+        ("w13_scale", "w1_scale", ("w13_weight_scale", "w13_scale")),
+        ("w2_scale", "w2_scale", ("w2_weight_scale", "w2_scale")),
+    ),
+)
+INT4 = QuantizedExperts(
+    experts_class="CPUExpertsInt4",
+    kernel="cpu_int4_w4a8",
+    view_format="cpu_int4_packed",
+    apply=compat.CPU_INT4_EXPERTS_APPLY,
+    device=compat.CPU_INT4_EXPERTS_DEVICE,
+    supports_eplb=compat.WNA16_SUPPORTS_EPLB,
+    tensors=(
+        ("w13_scale", "w1_scale", ("w13_weight_scale",)),
+        ("w2_scale", "w2_scale", ("w2_weight_scale",)),
+        ("w13_zp", "w1_zp", ("w13_weight_zero_point",)),
+        ("w2_zp", "w2_zp", ("w2_weight_zero_point",)),
+    ),
+)
+FORMATS = (INT8, INT4)
+
+
 def avx512_int8_capable() -> bool:
-    """Whether this CPU runs the int8 kernel's AVX-512 path (VNNI dot products, bf16 I/O)."""
+    """Whether this CPU runs the int8 kernels' AVX-512 path (VNNI dot products, bf16 I/O)."""
     cpu = torch.cpu
     return bool(
         cpu._is_avx512_supported() and cpu._is_vnni_supported() and cpu._is_avx512_bf16_supported()
@@ -47,17 +101,20 @@ def avx512_int8_capable() -> bool:
 
 
 def install() -> None:
-    """Patch the int8 experts' apply, its device gate and compressed-tensors' EPLB flag."""
-    _install_apply()
-    _install_device_gate()
-    _install_supports_eplb()
+    """Patch each listed experts class's apply and device gate, and its method's EPLB flag."""
+    for experts in FORMATS:
+        _install_apply(experts)
+        _install_device_gate(experts)
+        _install_supports_eplb(experts)
 
 
-def _install_apply() -> None:
-    owner, name, apply = compat.CPU_INT8_EXPERTS_APPLY.owner_and_value()
+def _install_apply(experts: QuantizedExperts) -> None:
+    owner, name, apply = experts.apply.owner_and_value()
     if getattr(apply, "__wrapped__", None) is not None:
         return
     from eplb_graph.integrations.vllm.expert_parallel import _SCRATCH_STATS
+
+    attributes = [attribute for _, attribute, _ in experts.tensors]
 
     @functools.wraps(apply)
     def apply_on_local_rows(
@@ -78,9 +135,9 @@ def _install_apply() -> None:
                 topk_ids,
                 topk_weights,
                 expert_map,
-                [w1, w2, self.w1_scale, self.w2_scale],
+                [w1, w2, *(getattr(self, attribute) for attribute in attributes)],
                 _SCRATCH_STATS if stats is None else stats,
-                "cpu_int8_w8a8",
+                experts.kernel,
                 activation.value,
                 "",
                 False,
@@ -91,8 +148,8 @@ def _install_apply() -> None:
     setattr(owner, name, apply_on_local_rows)
 
 
-def _install_device_gate() -> None:
-    owner, name, supported = compat.CPU_INT8_EXPERTS_DEVICE.owner_and_value()
+def _install_device_gate(experts: QuantizedExperts) -> None:
+    owner, name, supported = experts.device.owner_and_value()
     if getattr(supported, "__wrapped__", None) is not None:
         return
 
@@ -109,51 +166,55 @@ def _install_device_gate() -> None:
         ):
             return False
         logger.info(
-            "eplb-graph: CPUExpertsInt8 runs its kernel's AVX-512 path on this CPU (no AMX "
-            "tiles; vLLM offers it with AMX only)"
+            "eplb-graph: %s runs its kernel's AVX-512 path on this CPU (no AMX tiles; vLLM "
+            "offers it with AMX only)",
+            experts.experts_class,
         )
         return True
 
     setattr(owner, name, staticmethod(supported_with_avx512))
 
 
-def _install_supports_eplb() -> None:
-    owner, name, flag = compat.W8A8_INT8_SUPPORTS_EPLB.owner_and_value()
+def _install_supports_eplb(experts: QuantizedExperts) -> None:
+    owner, name, flag = experts.supports_eplb.owner_and_value()
     if getattr(flag.fget, "__wrapped__", None) is not None:
         return
 
     @functools.wraps(flag.fget)
     def supports_eplb(self) -> bool:
-        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUExpertsInt8
-
-        return getattr(self, "experts_cls", None) is CPUExpertsInt8 or flag.fget(self)
+        return getattr(self, "experts_cls", None) is experts.experts_type() or flag.fget(self)
 
     setattr(owner, name, property(supports_eplb))
 
 
-def is_int8_experts(kernel: object) -> bool:
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUExpertsInt8
+def format_of(kernel: object) -> QuantizedExperts | None:
+    """The listed format whose experts class ``kernel`` is exactly, or ``None``."""
+    for experts in FORMATS:
+        if type(kernel) is experts.experts_type():
+            return experts
+    return None
 
-    return type(kernel) is CPUExpertsInt8
 
-
-def weight_view(index: int, experts, kernel) -> ExpertWeightView:
-    """The view of one ``CPUExpertsInt8`` layer: packed int8 weights and the kernel's scales.
-
-    The scales are taken from the kernel (``w1_scale``/``w2_scale``: what it reads) and must be
-    the layer's own parameters (``w13_weight_scale`` or, online, ``w13_scale``), so a moved
-    scale is the one vLLM's model sees too.
-    """
-    tensors = {"w13": experts.w13_weight.data, "w2": experts.w2_weight.data}
-    for ours, theirs, stem in (("w13_scale", "w1_scale", "w13"), ("w2_scale", "w2_scale", "w2")):
+def weight_view(index: int, layer, kernel) -> ExpertWeightView:
+    """The view of one quantized MoE layer: packed weights and every tensor the kernel reads
+    beside them (scales, zero points), each checked to be the layer's own parameter."""
+    experts = format_of(kernel)
+    if experts is None:
+        raise QuantizedLayerError(
+            f"MoE layer {index}: {type(kernel).__name__} is not one of the quantized experts "
+            f"eplb-graph moves ({', '.join(f.experts_class for f in FORMATS)})"
+        )
+    tensors = {"w13": layer.w13_weight.data, "w2": layer.w2_weight.data}
+    for ours, theirs, candidates in experts.tensors:
         read = getattr(kernel, theirs, None)
-        layer = getattr(experts, f"{stem}_weight_scale", None)
-        if layer is None:
-            layer = getattr(experts, f"{stem}_scale", None)
-        if read is None or layer is None or read.data_ptr() != layer.data_ptr():
+        own = next(
+            (getattr(layer, c) for c in candidates if getattr(layer, c, None) is not None), None
+        )
+        if read is None or own is None or read.data_ptr() != own.data_ptr():
             raise QuantizedLayerError(
-                f"MoE layer {index}: the int8 kernel's {theirs} is not the layer's {stem} scale "
-                "parameter; eplb-graph would move a copy the kernel does not read"
+                f"MoE layer {index}: the {experts.experts_class} kernel's {theirs} is not the "
+                f"layer's {' or '.join(candidates)} parameter; eplb-graph would move a copy the "
+                "kernel does not read"
             )
         tensors[ours] = read.data
-    return make_expert_view("cpu_int8_packed", tensors)
+    return make_expert_view(experts.view_format, tensors)

@@ -37,6 +37,8 @@ def kernel_tensors(experts: Any, kernel: Any) -> dict[str, torch.Tensor]:
         ("w2_scale", "w2_scale"),
         ("w13_bias", "w1_bias"),
         ("w2_bias", "w2_bias"),
+        ("w13_zp", "w1_zp"),
+        ("w2_zp", "w2_zp"),
     ):
         value = getattr(kernel, attribute, None)
         if isinstance(value, torch.Tensor):

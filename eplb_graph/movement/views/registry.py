@@ -18,6 +18,7 @@ import torch
 
 from eplb_graph.movement.views.checks import layout_format_name
 from eplb_graph.movement.views.contract import ExpertWeightView, UnsupportedWeightFormat
+from eplb_graph.movement.views.cpu_int4 import CpuInt4PackedView
 from eplb_graph.movement.views.cpu_int8 import CpuInt8PackedView
 from eplb_graph.movement.views.formats import (
     InternalLayoutView,
@@ -99,6 +100,7 @@ _REGISTRY: dict[str, ViewFactory] = {
     "w4a8": _keyword_factory(W4A8View),
     "w4a8_nz": _keyword_factory(W4A8View, weight_layout="nz"),
     "cpu_int8_packed": _keyword_factory(CpuInt8PackedView),
+    "cpu_int4_packed": _keyword_factory(CpuInt4PackedView),
     "strided_packed": _mapping_factory(StridedPackedView),
     "nz": _mapping_factory(InternalLayoutView),
 }

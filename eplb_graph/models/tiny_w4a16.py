@@ -1,0 +1,102 @@
+"""Tiny W4A16 checkpoints (compressed-tensors ``pack-quantized``) for real vLLM engines (tests).
+
+The float Qwen3-MoE of the tests (``tiny_qwen3_moe``: skewed router, 8 experts) with its
+**experts** quantized offline, the way ``llmcompressor`` writes a ``W4A16`` scheme without
+calibration data: symmetric int4, one scale per group of :data:`GROUP_SIZE` input channels,
+``<name>.weight_packed`` int32 ``[out, in / 8]`` (eight 4-bit values per word, packed with
+compressed-tensors' own ``pack_to_int32``), ``<name>.weight_scale`` bfloat16 ``[out, in / group]``
+and ``<name>.weight_shape`` ``[out, in]``. Attention, routers, embeddings and ``lm_head`` stay
+float: vLLM's CPU W4A16 *linear* kernel is another kernel, and the experts are what EPLB moves.
+
+vLLM 0.32 serves it with ``CompressedTensorsWNA16MoEMethod`` -> ``CPUExpertsInt4`` in
+``dtype="bfloat16"`` (the plugin opens that kernel's device gate on AVX-512 CPUs without AMX,
+see ``integrations/vllm/quantized.py``). The scales are rounded to bfloat16 *before* the weights
+are quantized with them, so ``q * scale`` is exactly what the checkpoint means.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+GROUP_SIZE = 64
+EXPERT = re.compile(r"\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$")
+IGNORE = ["lm_head", r"re:.*self_attn\..*", r"re:.*mlp\.gate$"]
+
+
+def quantization_config(group_size: int = GROUP_SIZE) -> dict:
+    """compressed-tensors' description of W4A16: int4 group weights, float activations."""
+    weights = {
+        "num_bits": 4,
+        "type": "int",
+        "symmetric": True,
+        "strategy": "group",
+        "group_size": group_size,
+        "dynamic": False,
+        "actorder": None,
+    }
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": weights,
+                "input_activations": None,
+                "output_activations": None,
+                "format": "pack-quantized",
+            }
+        },
+        "ignore": list(IGNORE),
+        "kv_cache_scheme": None,
+    }
+
+
+def quantize_int4_groups(weight, group_size: int = GROUP_SIZE):
+    """``(int8 q in [-8, 7] [out, in], bfloat16 scale [out, in / group])``, ``weight ~= q * s``."""
+    import torch
+
+    out_features, in_features = weight.shape
+    if in_features % group_size:
+        raise ValueError(f"in_features {in_features} is not a multiple of group {group_size}")
+    grouped = weight.to(torch.float32).view(out_features, in_features // group_size, group_size)
+    scale = (grouped.abs().amax(dim=2).clamp(min=1e-8) / 7.0).to(torch.bfloat16)
+    quantized = torch.round(grouped / scale.float().unsqueeze(2)).clamp(-8, 7).to(torch.int8)
+    return quantized.view(out_features, in_features), scale.contiguous()
+
+
+def write_tiny_w4a16(path: str | Path, *, seed: int = 0, group_size: int = GROUP_SIZE) -> Path:
+    """Write the W4A16 checkpoint folder ``path`` (float model written beside it, then removed)."""
+    import tempfile
+
+    import torch
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    from safetensors.torch import load_file, save_file
+
+    from eplb_graph.models.tiny_qwen3_moe import write_tiny_qwen3_moe
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
+        source = write_tiny_qwen3_moe(Path(scratch) / "float", seed=seed)
+        tensors = load_file(source / "model.safetensors")
+        out = {}
+        for name, tensor in tensors.items():
+            if not EXPERT.search(name):
+                out[name] = tensor.contiguous()
+                continue
+            stem = name[: -len(".weight")]
+            quantized, scale = quantize_int4_groups(tensor, group_size)
+            out[f"{stem}.weight_packed"] = pack_to_int32(quantized, 4)
+            out[f"{stem}.weight_scale"] = scale
+            out[f"{stem}.weight_shape"] = torch.tensor(list(tensor.shape), dtype=torch.int64)
+        save_file(out, path / "model.safetensors", metadata={"format": "pt"})
+        config = json.loads((source / "config.json").read_text())
+        config["quantization_config"] = quantization_config(group_size)
+        (path / "config.json").write_text(json.dumps(config, indent=2))
+        generation = source / "generation_config.json"
+        if generation.exists():
+            (path / "generation_config.json").write_text(generation.read_text())
+    return path

@@ -1,0 +1,352 @@
+"""W4A16 int4 experts under vLLM (0.32, CPU backend) with expert parallelism and EPLB.
+
+Unit part (vLLM's int4 CPU kernel called directly, no engine): vLLM's repacking of int4 groups
+is per expert; the local-rows op on the int4 kernel (two ranks' halves) sums to the kernel on
+every row, and the kernel equals a dequantized reference on this CPU; the ``cpu_int4_packed``
+view moves weights, scales and zero points together and refuses tensors of another layout;
+EPLB is lifted for ``CPUExpertsInt4`` only; the checkpoint writer's packing is compressed-tensors'.
+
+Engine part: a Qwen3-MoE whose experts are W4A16 (compressed-tensors ``pack-quantized``, group
+64, written by ``eplb_graph.models.tiny_w4a16``), served in bfloat16 with TP=2 + expert
+parallelism and 2 redundant slots, both engines in one process: the same layout with EPLB off
+(record mode) and EPLB on (synchronous, eager) with ``weight_digests``. Asserted: identical
+tokens, at least 2 rearrangements committed on one placement on both ranks, and after every
+commit every local slot's blocked int4 bytes, scales and zero points equal those of the expert
+the placement names.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eplb_graph.integrations.vllm.local_rows import vllm_local_experts
+from eplb_graph.integrations.vllm.slot_digests import check_slot_digests
+from eplb_graph.movement.views import CpuInt4PackedView, UnsupportedWeightFormat, make_expert_view
+
+ops = pytest.importorskip("vllm._custom_ops", reason="the vllm extra is not installed")
+
+pytestmark = pytest.mark.vllm
+
+E, H, INTER, K, GROUP = 8, 128, 64, 2, 64
+
+
+def _pack_rows(q: torch.Tensor) -> torch.Tensor:
+    """int4 ``[E, rows, cols]`` in [-8, 7] -> compressed-tensors' int32 ``[E, rows, cols / 8]``."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    return pack_to_int32(q.to(torch.int8), 4)
+
+
+def _int4_experts(seed: int = 0):
+    """Random int4 experts (N-first, as checkpoints store them), their bf16 group scales, and
+    vLLM's CPU repacking of them (GPTQ algorithm, symmetric: synthesised zero points)."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import (
+        prepare_int4_moe_layer_for_cpu,
+    )
+
+    gen = torch.Generator().manual_seed(seed)
+    q13 = torch.randint(-8, 8, (E, 2 * INTER, H), generator=gen)
+    q2 = torch.randint(-8, 8, (E, H, INTER), generator=gen)
+    s13 = (torch.rand(E, 2 * INTER, H // GROUP, generator=gen) * 0.02 + 0.01).bfloat16()
+    s2 = (torch.rand(E, H, INTER // GROUP, generator=gen) * 0.02 + 0.01).bfloat16()
+    blocked = prepare_int4_moe_layer_for_cpu(
+        _pack_rows(q13).transpose(1, 2).contiguous(),
+        _pack_rows(q2).transpose(1, 2).contiguous(),
+        s13.transpose(1, 2).contiguous(),
+        s2.transpose(1, 2).contiguous(),
+    )
+    w13 = q13.float() * s13.float().repeat_interleave(GROUP, dim=2)
+    w2 = q2.float() * s2.float().repeat_interleave(GROUP, dim=2)
+    return (w13, w2), (q13, q2, s13, s2), blocked
+
+
+def _quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """Dynamic per-token symmetric int8, dequantized (what the W4A8 kernel does to activations)."""
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-10) / 127
+    return torch.round(x / scale).clamp(-127, 127) * scale
+
+
+def _reference(hidden, ids, weights, w13, w2):
+    out = torch.zeros(hidden.shape, dtype=torch.float32)
+    for t in range(hidden.shape[0]):
+        x = _quantize_rows(hidden[t].float())
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            gate, up = (w13[e] @ x).chunk(2)
+            h = _quantize_rows(torch.nn.functional.silu(gate) * up)
+            out[t] += weights[t, k] * (w2[e] @ h)
+    return out
+
+
+def test_vllm_repacks_int4_experts_one_by_one():
+    _, (q13, q2, s13, s2), blocked = _int4_experts(1)
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import (
+        prepare_int4_moe_layer_for_cpu,
+    )
+
+    for e in (0, 5):
+        alone = prepare_int4_moe_layer_for_cpu(
+            _pack_rows(q13[e : e + 1]).transpose(1, 2).contiguous(),
+            _pack_rows(q2[e : e + 1]).transpose(1, 2).contiguous(),
+            s13[e : e + 1].transpose(1, 2).contiguous(),
+            s2[e : e + 1].transpose(1, 2).contiguous(),
+        )
+        for whole, part in zip(blocked, alone, strict=True):
+            assert torch.equal(whole[e], part[0])
+
+
+@pytest.mark.parametrize("tokens", [1, 9, 40])
+def test_int4_local_rows_of_two_ranks_sum_to_the_kernel_on_every_row(tokens):
+    (w13, w2), _, (b13, b2, bs13, bs2, bz13, bz2) = _int4_experts(tokens)
+    gen = torch.Generator().manual_seed(7 + tokens)
+    hidden = torch.randn(tokens, H, generator=gen).to(torch.bfloat16)
+    ids = torch.randint(0, E, (tokens, K), generator=gen, dtype=torch.int32)
+    weights = torch.rand(tokens, K, generator=gen)
+    whole = torch.empty_like(hidden)
+    ops.fused_experts_cpu(
+        whole, hidden, b13, b2, weights, ids, ops.CPUQuantMethod.INT4_W4A8, bs13, bs2, bz13, bz2,
+        None, None, None, None, None, True,
+    )  # fmt: skip
+    total = torch.zeros(tokens, H)
+    rows = 0
+    for rank in range(2):
+        local = slice(4 * rank, 4 * rank + 4)
+        expert_map = torch.full((E,), -1, dtype=torch.int32)
+        expert_map[local] = torch.arange(4, dtype=torch.int32)
+        stats = torch.zeros(2, dtype=torch.int64)
+        tensors = [t[local] for t in (b13, b2, bs13, bs2, bz13, bz2)]
+        part = vllm_local_experts(hidden, ids, weights, expert_map, tensors, stats, "cpu_int4_w4a8")
+        rows += int(stats[0])
+        total += part.float()
+    assert rows == tokens * K
+    reference = _reference(hidden, ids, weights, w13, w2)
+    scale = reference.abs().max()
+    # bf16 output rounding on both sides; the int8 arithmetic itself is exact
+    assert (total - whole.float()).abs().max() <= 0.02 * scale
+    assert (whole.float() - reference).abs().max() <= 0.05 * scale
+
+
+def test_the_int4_kernel_refuses_weight_on_input_and_other_activations():
+    from eplb_graph.integrations.vllm.local_rows import LocalRowsError
+
+    _, _, blocked = _int4_experts(2)
+    hidden = torch.randn(3, H).to(torch.bfloat16)
+    ids = torch.zeros(3, 1, dtype=torch.int32)
+    expert_map = torch.arange(E, dtype=torch.int32)
+    stats = torch.zeros(2, dtype=torch.int64)
+    for activation, on_input in (("gelu", False), ("silu", True)):
+        with pytest.raises(LocalRowsError, match="int4 CPU kernel"):
+            vllm_local_experts(
+                hidden, ids, torch.ones(3, 1), expert_map, list(blocked), stats,
+                "cpu_int4_w4a8", activation, "", on_input,
+            )  # fmt: skip
+
+
+def test_the_view_moves_weights_scales_and_zero_points_together():
+    _, _, blocked = _int4_experts(3)
+    names = ("w13", "w2", "w13_scale", "w2_scale", "w13_zp", "w2_zp")
+    tensors = {name: t.clone() for name, t in zip(names, blocked, strict=True)}
+    for name in ("w13_zp", "w2_zp"):  # symmetric: all 8; make each slot's distinct to see it move
+        tensors[name].random_(-8, 8, generator=torch.Generator().manual_seed(5))
+    view = make_expert_view("cpu_int4_packed", tensors)
+    assert isinstance(view, CpuInt4PackedView)
+    assert view.slot_nbytes >= sum(t[0].numel() * t.element_size() for t in tensors.values())
+    payload = torch.empty(view.slot_nbytes, dtype=torch.uint8)
+    view.pack_slot(5, payload)
+    view.unpack_slot_(0, payload)
+    for name in names:
+        assert torch.equal(tensors[name][0], tensors[name][5]), name
+        assert not torch.equal(tensors[name][1], tensors[name][5]), name  # slots are distinct
+
+
+def test_the_view_refuses_unblocked_weights_and_mismatched_zero_points():
+    _, (q13, *_), (b13, b2, bs13, bs2, bz13, bz2) = _int4_experts(4)
+    with pytest.raises(UnsupportedWeightFormat, match="4-D"):
+        CpuInt4PackedView(_pack_rows(q13), b2, bs13, bs2, bz13, bz2)
+    with pytest.raises(UnsupportedWeightFormat, match="one shape"):
+        CpuInt4PackedView(b13, b2, bs13, bs2, bz13[..., :16], bz2)
+    with pytest.raises(UnsupportedWeightFormat, match="dtype"):
+        CpuInt4PackedView(b13, b2, bs13.bfloat16(), bs2, bz13, bz2)
+    with pytest.raises(UnsupportedWeightFormat, match="tiles"):
+        CpuInt4PackedView(b13, b2, bs2, bs13, bz2, bz13)
+
+
+def test_eplb_is_lifted_for_the_int4_cpu_experts_only_and_the_gate_follows_the_cpu():
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+    from vllm.model_executor.layers.fused_moe.oracle.int_wna16 import WNA16MoEBackend
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
+        compressed_tensors_moe_wna16 as ct_wna16,
+    )
+
+    from eplb_graph.integrations.vllm import quantized
+
+    quantized.install()
+    quantized.install()  # idempotent: nothing wrapped twice
+    method = object.__new__(ct_wna16.CompressedTensorsWNA16MoEMethod)
+    method.experts_cls = cpu_moe.CPUExpertsInt4
+    method.wna16_backend = WNA16MoEBackend.CPU
+    assert method.supports_eplb is True
+    method.experts_cls = cpu_moe.CPUExpertsInt8  # not what this method's weights are
+    assert method.supports_eplb is False
+    method.wna16_backend = WNA16MoEBackend.TRITON  # vLLM's own answer still stands
+    assert method.supports_eplb is True
+    supported = cpu_moe.CPUExpertsInt4._supports_current_device()
+    expected = torch.cpu._is_amx_tile_supported() or quantized.avx512_int8_capable()
+    assert supported == expected
+
+
+def test_the_w4a16_writer_packs_expert_groups_as_compressed_tensors_reads_them(tmp_path):
+    import json
+
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from safetensors.torch import load_file
+
+    from eplb_graph.models.tiny_qwen3_moe import write_tiny_qwen3_moe
+    from eplb_graph.models.tiny_w4a16 import write_tiny_w4a16
+
+    source = load_file(write_tiny_qwen3_moe(tmp_path / "f") / "model.safetensors")
+    model = write_tiny_w4a16(tmp_path / "q")
+    quantized = load_file(model / "model.safetensors")
+    config = json.loads((model / "config.json").read_text())["quantization_config"]
+    assert config["format"] == "pack-quantized"
+    assert config["config_groups"]["group_0"]["weights"]["group_size"] == GROUP
+    experts = [name for name in source if ".experts." in name]
+    assert len(experts) == 2 * 8 * 3
+    for name, weight in source.items():
+        if name not in experts:
+            assert torch.equal(quantized[name], weight), name
+            continue
+        stem = name[: -len(".weight")]
+        shape = torch.Size(quantized[f"{stem}.weight_shape"].tolist())
+        assert shape == weight.shape
+        q = unpack_from_int32(quantized[f"{stem}.weight_packed"], 4, shape)
+        scale = quantized[f"{stem}.weight_scale"]
+        assert scale.dtype == torch.bfloat16 and scale.shape == (shape[0], shape[1] // GROUP)
+        assert int(q.min()) >= -8 and int(q.max()) <= 7
+        dequantized = q.float() * scale.float().repeat_interleave(GROUP, dim=1)
+        error = (dequantized - weight).abs().max()
+        assert error <= scale.float().max() * 0.51  # half a step (bf16 scale rounding aside)
+
+
+@pytest.mark.parametrize("moved", ["all", "weights only", "no zero points"])
+def test_the_digest_check_catches_int4_scales_or_zero_points_left_behind(moved):
+    """Two ranks of 5 slots move to a new placement; a view that forgets the scales (or the
+    zero points, made distinct per expert here: symmetric checkpoints have all 8) fails."""
+    from eplb_graph.integrations.vllm.slot_digests import DigestLog
+
+    _, _, blocked = _int4_experts(6)
+    names = ("w13", "w2", "w13_scale", "w2_scale", "w13_zp", "w2_zp")
+    experts = {name: t.clone() for name, t in zip(names, blocked, strict=True)}
+    for name in ("w13_zp", "w2_zp"):
+        experts[name].random_(-8, 8, generator=torch.Generator().manual_seed(9))
+    old = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 0, 1]])
+    new = torch.tensor([[3, 2, 4, 0, 6, 1, 5, 7, 2, 3]])
+    ranks = [{n: t[old[0, 5 * r : 5 * r + 5]].clone() for n, t in experts.items()} for r in (0, 1)]
+    logs = [DigestLog([tensors]) for tensors in ranks]
+    for log in logs:
+        log.record(0, old)
+    keep = {"all": (), "weights only": names[2:], "no zero points": names[4:]}[moved]
+    views = [
+        make_expert_view("strided_packed", {n: t[n] for n in names if n not in keep}, expert_dim=0)
+        for t in ranks
+    ]
+    payloads = {}
+    for slot in range(10):  # what the new placement needs, from a slot holding it now
+        source = int((old[0] == new[0, slot]).nonzero()[0])
+        payloads[slot] = torch.empty(views[0].slot_nbytes, dtype=torch.uint8)
+        views[source // 5].pack_slot(source % 5, payloads[slot])
+    for slot, payload in payloads.items():
+        views[slot // 5].unpack_slot_(slot % 5, payload)
+    for log in logs:
+        log.record(1, new)
+    documents = [{"rank": r, "weight_digests": log.document()} for r, log in enumerate(logs)]
+    checked, problems = check_slot_digests(documents)
+    assert checked == 2
+    changed = int((old != new).sum())
+    assert len(problems) == (0 if moved == "all" else changed), problems
+
+
+# -- real engines ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def w4a16_engines(tmp_path_factory):
+    """Both engines of the W4A16 checkpoint, one process, one after another (2 cores)."""
+    from test_vllm_engine import EPLB, MAX_TOKENS, PROMPTS, metrics
+    from test_vllm_families import run_engines
+
+    from eplb_graph.models.tiny_w4a16 import write_tiny_w4a16
+
+    root = tmp_path_factory.mktemp("w4a16")
+    model = write_tiny_w4a16(root / "qwen3_w4a16")
+    engines = []
+    for mode in ("fixed", "eplb"):
+        section = {"metrics_path": str(root / f"metrics-{mode}")}
+        if mode == "fixed":  # record mode: plans are written, never applied
+            section["record_map_path"] = str(root / f"{mode}-map.json")
+        else:
+            section["weight_digests"] = True
+        llm = {
+            "skip_tokenizer_init": True,
+            "dtype": "bfloat16",
+            "max_model_len": 128,
+            "max_num_seqs": 4,
+            "max_num_batched_tokens": 128,
+            "seed": 0,
+            "tensor_parallel_size": 2,
+            "enable_expert_parallel": True,
+            "enforce_eager": True,
+            "enable_eplb": True,
+            "eplb_config": {**EPLB, "use_async": False},
+            "additional_config": {"eplb_graph": section},
+        }
+        engines.append(
+            {
+                "name": mode,
+                "model": str(model),
+                "prompts": PROMPTS,
+                "llm": llm,
+                "max_tokens": MAX_TOKENS,
+                "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+            }
+        )
+    results = run_engines(root, engines)
+    for mode, result in results.items():
+        if "error" in result:
+            log = (root / "families.log").read_text()[-3000:]
+            pytest.fail(f"the W4A16 {mode} engine failed: {result['error']}\n{log}")
+        result["metrics"] = metrics(root / f"metrics-{mode}")
+    return results
+
+
+def test_w4a16_tokens_with_eplb_equal_the_same_layout_with_eplb_off(w4a16_engines):
+    fixed = w4a16_engines["fixed"]
+    for rank in fixed["metrics"]:
+        assert rank["layers_committed"] == 0 and rank["plans_recorded"] >= 2, rank
+    tokens = fixed["tokens"][0]
+    assert len(tokens) == 4 and all(len(t) == 64 for t in tokens)
+    assert len({tuple(t) for t in tokens}) > 1  # the model is not degenerate
+    assert w4a16_engines["eplb"]["tokens"] == fixed["tokens"]
+
+
+def test_w4a16_rearrangements_move_whole_experts(w4a16_engines):
+    per_rank = w4a16_engines["eplb"]["metrics"]
+    initial = w4a16_engines["fixed"]["metrics"][0]["placement_digest"]
+    for rank in per_rank:
+        assert rank["rearrangements"] >= 2 and rank["layers_committed"] >= 2, rank
+        assert rank["aborted"] == 0 and rank["last_error"] is None, rank
+        assert rank["placement_digest"] != initial
+    assert len({rank["placement_digest"] for rank in per_rank}) == 1
+    checked, problems = check_slot_digests(per_rank)
+    assert problems == []
+    assert checked >= sum(rank["rearrangements"] for rank in per_rank)
+    experts = {}  # layer 0's expert -> digest, from every rank's slots at attach
+    for rank in per_rank:
+        initial_record = rank["weight_digests"]["initial"]
+        local = initial_record["slots"][0]
+        phy2log = initial_record["phy2log"][0]
+        first = rank["rank"] * len(local)
+        for slot, digest in enumerate(local):
+            experts[phy2log[first + slot]] = digest
+    assert len(experts) == 8 and len(set(experts.values())) == 8  # the check can tell them apart
