@@ -8,10 +8,10 @@ EPLB is lifted for ``CPUExpertsInt4`` only; the checkpoint writer's packing is c
 
 Engine part: a Qwen3-MoE whose experts are W4A16 (compressed-tensors ``pack-quantized``, group
 64, written by ``eplb_graph.models.tiny_w4a16``), served in bfloat16 with TP=2 + expert
-parallelism and 2 redundant slots, both engines in one process: the same layout with EPLB off
-(record mode) and EPLB on (synchronous, eager) with ``weight_digests``. Asserted: identical
-tokens, at least 2 rearrangements committed on one placement on both ranks, and after every
-commit every local slot's blocked int4 bytes, scales and zero points equal those of the expert
+parallelism and 2 redundant slots, **compiled**, both engines in one process: the same layout
+with EPLB off (record mode) and EPLB on (synchronous) with ``weight_digests``. Asserted: identical
+tokens, at least 2 rearrangements committed on one placement on both ranks, no graph break and
+no recompile after the first step, and after every commit every local slot's blocked int4 bytes, scales and zero points equal those of the expert
 the placement names.
 """
 
@@ -296,7 +296,7 @@ def w4a16_engines(tmp_path_factory):
             "seed": 0,
             "tensor_parallel_size": 2,
             "enable_expert_parallel": True,
-            "enforce_eager": True,
+            "enforce_eager": False,  # compiled: the int4 op traces in as one node
             "enable_eplb": True,
             "eplb_config": {**EPLB, "use_async": False},
             "additional_config": {"eplb_graph": section},
@@ -341,6 +341,10 @@ def test_w4a16_rearrangements_move_whole_experts(w4a16_engines):
     checked, problems = check_slot_digests(per_rank)
     assert problems == []
     assert checked >= sum(rank["rearrangements"] for rank in per_rank)
+    for rank in per_rank:  # compiled: one graph, commits in place, no recompile
+        compiled = rank["compile"]
+        assert compiled["graph_breaks"] == 0 and compiled["unique_graphs"] >= 1, compiled
+        assert compiled["unique_graphs"] == compiled["unique_graphs_at_first_step"], compiled
     experts = {}  # layer 0's expert -> digest, from every rank's slots at attach
     for rank in per_rank:
         initial_record = rank["weight_digests"]["initial"]
