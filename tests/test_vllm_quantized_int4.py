@@ -11,8 +11,8 @@ Engine part: a Qwen3-MoE whose experts are W4A16 (compressed-tensors ``pack-quan
 parallelism and 2 redundant slots, **compiled**, both engines in one process: the same layout
 with EPLB off (record mode) and EPLB on (synchronous) with ``weight_digests``. Asserted: identical
 tokens, at least 2 rearrangements committed on one placement on both ranks, no graph break and
-no recompile after the first step, and after every commit every local slot's blocked int4 bytes, scales and zero points equal those of the expert
-the placement names.
+no recompile after the first step, and after every commit every local slot's blocked int4 bytes,
+scales and zero points equal those of the expert the placement names.
 """
 
 from __future__ import annotations
