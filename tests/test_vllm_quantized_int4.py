@@ -191,6 +191,13 @@ def test_eplb_is_lifted_for_the_int4_cpu_experts_only_and_the_gate_follows_the_c
     assert method.supports_eplb is False
     method.wna16_backend = WNA16MoEBackend.TRITON  # vLLM's own answer still stands
     assert method.supports_eplb is True
+    from vllm.model_executor.layers.quantization.auto_gptq import AutoGPTQMoEMethod
+
+    gptq = object.__new__(AutoGPTQMoEMethod)
+    gptq.experts_cls = cpu_moe.CPUExpertsInt4
+    assert gptq.supports_eplb is True
+    gptq.experts_cls = cpu_moe.CPUExpertsInt8
+    assert gptq.supports_eplb is False
     supported = cpu_moe.CPUExpertsInt4._supports_current_device()
     expected = torch.cpu._is_amx_tile_supported() or quantized.avx512_int8_capable()
     assert supported == expected
@@ -267,72 +274,126 @@ def test_the_digest_check_catches_int4_scales_or_zero_points_left_behind(moved):
     assert len(problems) == (0 if moved == "all" else changed), problems
 
 
+def test_the_gptq_writer_packs_along_the_input_with_gptqs_zero_point_convention(tmp_path):
+    import json
+
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from safetensors.torch import load_file
+
+    from eplb_graph.models.tiny_qwen3_moe import write_tiny_qwen3_moe
+    from eplb_graph.models.tiny_w4a16 import write_tiny_w4a16
+
+    source = load_file(write_tiny_qwen3_moe(tmp_path / "f") / "model.safetensors")
+    model = write_tiny_w4a16(tmp_path / "q", checkpoint_format="gptq")
+    quantized = load_file(model / "model.safetensors")
+    config = json.loads((model / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "gptq" and config["desc_act"] is False
+    name = "model.layers.1.mlp.experts.3.down_proj"
+    weight = source[f"{name}.weight"]  # [out, in]
+    out_features, in_features = weight.shape
+    qweight = quantized[f"{name}.qweight"]
+    assert qweight.dtype == torch.int32 and qweight.shape == (in_features // 8, out_features)
+    q = unpack_from_int32(qweight, 4, torch.Size([in_features, out_features]), packed_dim=0)
+    scales = quantized[f"{name}.scales"]
+    assert scales.dtype == torch.float16 and scales.shape == (in_features // GROUP, out_features)
+    dequantized = q.float() * scales.float().repeat_interleave(GROUP, dim=0)
+    assert (dequantized - weight.t()).abs().max() <= scales.float().max() * 0.51
+    zeros = quantized[f"{name}.qzeros"]  # GPTQ stores zero point 8 as 7 in every nibble
+    assert zeros.shape == (in_features // GROUP, out_features // 8)
+    assert bool((zeros == 0x77777777).all())
+    assert torch.equal(quantized[f"{name}.g_idx"], torch.arange(in_features) // GROUP)
+    assert torch.equal(quantized["model.layers.0.self_attn.q_proj.weight"],
+                       source["model.layers.0.self_attn.q_proj.weight"])  # fmt: skip
+
+
 # -- real engines ---------------------------------------------------------------------------------
+
+
+CHECKPOINTS = {
+    # name: (checkpoint format, compiled): vLLM's two W4A16 MoE methods that reach CPUExpertsInt4
+    "ct": ("compressed-tensors", True),  # CompressedTensorsWNA16MoEMethod
+    "gptq": ("gptq", False),  # AutoGPTQMoEMethod
+}
 
 
 @pytest.fixture(scope="module")
 def w4a16_engines(tmp_path_factory):
-    """Both engines of the W4A16 checkpoint, one process, one after another (2 cores)."""
+    """``start(checkpoint)``: its two engines in one process, one after another (2 cores)."""
     from test_vllm_engine import EPLB, MAX_TOKENS, PROMPTS, metrics
     from test_vllm_families import run_engines
 
     from eplb_graph.models.tiny_w4a16 import write_tiny_w4a16
 
-    root = tmp_path_factory.mktemp("w4a16")
-    model = write_tiny_w4a16(root / "qwen3_w4a16")
-    engines = []
-    for mode in ("fixed", "eplb"):
-        section = {"metrics_path": str(root / f"metrics-{mode}")}
-        if mode == "fixed":  # record mode: plans are written, never applied
-            section["record_map_path"] = str(root / f"{mode}-map.json")
-        else:
-            section["weight_digests"] = True
-        llm = {
-            "skip_tokenizer_init": True,
-            "dtype": "bfloat16",
-            "max_model_len": 128,
-            "max_num_seqs": 4,
-            "max_num_batched_tokens": 128,
-            "seed": 0,
-            "tensor_parallel_size": 2,
-            "enable_expert_parallel": True,
-            "enforce_eager": False,  # compiled: the int4 op traces in as one node
-            "enable_eplb": True,
-            "eplb_config": {**EPLB, "use_async": False},
-            "additional_config": {"eplb_graph": section},
-        }
-        engines.append(
-            {
-                "name": mode,
-                "model": str(model),
-                "prompts": PROMPTS,
-                "llm": llm,
-                "max_tokens": MAX_TOKENS,
-                "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+    cache: dict[str, dict] = {}
+
+    def start(checkpoint: str) -> dict:
+        if checkpoint in cache:
+            return cache[checkpoint]
+        checkpoint_format, compiled = CHECKPOINTS[checkpoint]
+        root = tmp_path_factory.mktemp(f"w4a16-{checkpoint}")
+        model = write_tiny_w4a16(root / "qwen3_w4a16", checkpoint_format=checkpoint_format)
+        engines = []
+        for mode in ("fixed", "eplb"):
+            section = {"metrics_path": str(root / f"metrics-{mode}")}
+            if mode == "fixed":  # record mode: plans are written, never applied
+                section["record_map_path"] = str(root / f"{mode}-map.json")
+            else:
+                section["weight_digests"] = True
+            llm = {
+                "skip_tokenizer_init": True,
+                "dtype": "bfloat16",
+                "max_model_len": 128,
+                "max_num_seqs": 4,
+                "max_num_batched_tokens": 128,
+                "seed": 0,
+                "tensor_parallel_size": 2,
+                "enable_expert_parallel": True,
+                "enforce_eager": not compiled,  # compiled: the int4 op traces in as one node
+                "enable_eplb": True,
+                "eplb_config": {**EPLB, "use_async": False},
+                "additional_config": {"eplb_graph": section},
             }
-        )
-    results = run_engines(root, engines)
-    for mode, result in results.items():
-        if "error" in result:
-            log = (root / "families.log").read_text()[-3000:]
-            pytest.fail(f"the W4A16 {mode} engine failed: {result['error']}\n{log}")
-        result["metrics"] = metrics(root / f"metrics-{mode}")
-    return results
+            engines.append(
+                {
+                    "name": mode,
+                    "model": str(model),
+                    "prompts": PROMPTS,
+                    "llm": llm,
+                    "max_tokens": MAX_TOKENS,
+                    "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+                }
+            )
+        results = run_engines(root, engines)
+        for mode, result in results.items():
+            if "error" in result:
+                log = (root / "families.log").read_text()[-3000:]
+                pytest.fail(
+                    f"the W4A16 {checkpoint} {mode} engine failed: {result['error']}\n{log}"
+                )
+            result["metrics"] = metrics(root / f"metrics-{mode}")
+        cache[checkpoint] = results
+        return results
+
+    return start
 
 
-def test_w4a16_tokens_with_eplb_equal_the_same_layout_with_eplb_off(w4a16_engines):
-    fixed = w4a16_engines["fixed"]
+@pytest.mark.parametrize("checkpoint", list(CHECKPOINTS))
+def test_w4a16_tokens_with_eplb_equal_the_same_layout_with_eplb_off(w4a16_engines, checkpoint):
+    engines = w4a16_engines(checkpoint)
+    fixed = engines["fixed"]
     for rank in fixed["metrics"]:
         assert rank["layers_committed"] == 0 and rank["plans_recorded"] >= 2, rank
     tokens = fixed["tokens"][0]
     assert len(tokens) == 4 and all(len(t) == 64 for t in tokens)
     assert len({tuple(t) for t in tokens}) > 1  # the model is not degenerate
-    assert w4a16_engines["eplb"]["tokens"] == fixed["tokens"]
+    assert engines["eplb"]["tokens"] == fixed["tokens"]
 
 
-def test_w4a16_rearrangements_move_whole_experts(w4a16_engines):
-    per_rank = w4a16_engines["eplb"]["metrics"]
-    initial = w4a16_engines["fixed"]["metrics"][0]["placement_digest"]
+@pytest.mark.parametrize("checkpoint", list(CHECKPOINTS))
+def test_w4a16_rearrangements_move_whole_experts(w4a16_engines, checkpoint):
+    engines = w4a16_engines(checkpoint)
+    per_rank = engines["eplb"]["metrics"]
+    initial = engines["fixed"]["metrics"][0]["placement_digest"]
     for rank in per_rank:
         assert rank["rearrangements"] >= 2 and rank["layers_committed"] >= 2, rank
         assert rank["aborted"] == 0 and rank["last_error"] is None, rank
@@ -341,10 +402,11 @@ def test_w4a16_rearrangements_move_whole_experts(w4a16_engines):
     checked, problems = check_slot_digests(per_rank)
     assert problems == []
     assert checked >= sum(rank["rearrangements"] for rank in per_rank)
-    for rank in per_rank:  # compiled: one graph, commits in place, no recompile
-        compiled = rank["compile"]
-        assert compiled["graph_breaks"] == 0 and compiled["unique_graphs"] >= 1, compiled
-        assert compiled["unique_graphs"] == compiled["unique_graphs_at_first_step"], compiled
+    if CHECKPOINTS[checkpoint][1]:  # compiled: one graph, commits in place, no recompile
+        for rank in per_rank:
+            compiled = rank["compile"]
+            assert compiled["graph_breaks"] == 0 and compiled["unique_graphs"] >= 1, compiled
+            assert compiled["unique_graphs"] == compiled["unique_graphs_at_first_step"], compiled
     experts = {}  # layer 0's expert -> digest, from every rank's slots at attach
     for rank in per_rank:
         initial_record = rank["weight_digests"]["initial"]

@@ -67,8 +67,52 @@ def quantize_int4_groups(weight, group_size: int = GROUP_SIZE):
     return quantized.view(out_features, in_features), scale.contiguous()
 
 
-def write_tiny_w4a16(path: str | Path, *, seed: int = 0, group_size: int = GROUP_SIZE) -> Path:
-    """Write the W4A16 checkpoint folder ``path`` (float model written beside it, then removed)."""
+def gptq_config(group_size: int = GROUP_SIZE) -> dict:
+    """GPTQ's ``quantization_config``: 4-bit symmetric groups, no activation reordering. Which
+    layers are quantized vLLM reads from the tensors' dtypes (only the experts' are int32)."""
+    return {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": group_size,
+        "desc_act": False,
+        "sym": True,
+        "lm_head": False,
+        "checkpoint_format": "gptq",
+    }
+
+
+def _gptq_tensors(stem: str, quantized, scale, group_size: int) -> dict:
+    """GPTQ's tensors of one linear: ``qweight`` int32 ``[in / 8, out]`` (``q + 8`` packed along
+    the input), ``qzeros`` int32 ``[groups, out / 8]`` (GPTQ stores zero point 8 as 7),
+    ``scales`` float16 ``[groups, out]`` (bf16-rounded values, exact in fp16), ``g_idx``."""
+    import torch
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    out_features, in_features = quantized.shape
+    groups = in_features // group_size
+    zeros = torch.full((groups, out_features), 7 - 8, dtype=torch.int8)  # offset 8 -> nibble 7
+    return {
+        f"{stem}.qweight": pack_to_int32(quantized.t().contiguous(), 4, packed_dim=0).contiguous(),
+        f"{stem}.qzeros": pack_to_int32(zeros, 4),
+        f"{stem}.scales": scale.t().to(torch.float16).contiguous(),
+        f"{stem}.g_idx": torch.arange(in_features, dtype=torch.int32) // group_size,
+    }
+
+
+FORMATS = ("compressed-tensors", "gptq")
+
+
+def write_tiny_w4a16(
+    path: str | Path,
+    *,
+    seed: int = 0,
+    group_size: int = GROUP_SIZE,
+    checkpoint_format: str = "compressed-tensors",
+) -> Path:
+    """Write the W4A16 checkpoint folder ``path`` (float model written beside it, then removed)
+    in ``checkpoint_format``: compressed-tensors ``pack-quantized`` or GPTQ."""
+    if checkpoint_format not in FORMATS:
+        raise ValueError(f"checkpoint_format must be one of {FORMATS}, got {checkpoint_format!r}")
     import tempfile
 
     import torch
@@ -89,12 +133,19 @@ def write_tiny_w4a16(path: str | Path, *, seed: int = 0, group_size: int = GROUP
                 continue
             stem = name[: -len(".weight")]
             quantized, scale = quantize_int4_groups(tensor, group_size)
+            if checkpoint_format == "gptq":
+                out.update(_gptq_tensors(stem, quantized, scale, group_size))
+                continue
             out[f"{stem}.weight_packed"] = pack_to_int32(quantized, 4)
             out[f"{stem}.weight_scale"] = scale
             out[f"{stem}.weight_shape"] = torch.tensor(list(tensor.shape), dtype=torch.int64)
         save_file(out, path / "model.safetensors", metadata={"format": "pt"})
         config = json.loads((source / "config.json").read_text())
-        config["quantization_config"] = quantization_config(group_size)
+        config["quantization_config"] = (
+            gptq_config(group_size)
+            if checkpoint_format == "gptq"
+            else quantization_config(group_size)
+        )
         (path / "config.json").write_text(json.dumps(config, indent=2))
         generation = source / "generation_config.json"
         if generation.exists():

@@ -119,6 +119,11 @@ WNA16_SUPPORTS_EPLB = PatchTarget(
     "CompressedTensorsWNA16MoEMethod.supports_eplb",
     ("self",),
 )
+GPTQ_SUPPORTS_EPLB = PatchTarget(
+    "vllm.model_executor.layers.quantization.auto_gptq",
+    "AutoGPTQMoEMethod.supports_eplb",
+    ("self",),
+)
 CPU_LOAD_MODEL = PatchTarget(
     "vllm.v1.worker.cpu_model_runner", "CPUModelRunner.load_model", ("self", "load_dummy_weights")
 )
@@ -191,6 +196,7 @@ TARGETS = (
     CPU_INT4_EXPERTS_APPLY,
     CPU_INT4_EXPERTS_DEVICE,
     WNA16_SUPPORTS_EPLB,
+    GPTQ_SUPPORTS_EPLB,
     ENGINE_PROCS_SHUTDOWN,
     GPT_OSS_FACTORY,
     GPT_OSS_LOAD,

@@ -3,16 +3,18 @@
 Each entry of :data:`FORMATS` is one vLLM CPU experts class whose weights eplb-graph really
 moves, whole: W8A8 int8 (``CPUExpertsInt8``: vLLM's compressed-tensors W8A8 int8 method and
 online ``quantization="experts_int8"``) and W4A16 (``CPUExpertsInt4``: compressed-tensors
-``pack-quantized`` int4 groups). Three things stand between such a class and expert parallelism
+``pack-quantized`` and GPTQ int4 groups; AWQ reaches the same class but its method is not
+lifted, untested). Three things stand between such a class and expert parallelism
 with EPLB, and each is fixed here, for the listed classes only:
 
 - **Local rows**: these classes' ``apply`` hands the kernel global slot ids and no expert map,
   so with expert parallelism it indexes past the rank's weights (a segfault in
   ``moe_align_block_size``). The wrapper calls ``torch.ops.eplb_graph.vllm_local_experts`` with
   the format's kernel instead: vLLM's own kernel on the rank's own rows.
-- **EPLB refusal**: the quantization method says ``supports_eplb = False`` and vLLM raises
-  ``NotImplementedError`` when the layer is built. It now says ``True`` when (and only when) its
-  experts are the listed class, whose weights, scales and zero points :func:`weight_view` moves.
+- **EPLB refusal**: the quantization methods say ``supports_eplb = False`` and vLLM raises
+  ``NotImplementedError`` when the layer is built. The listed methods now say ``True`` when (and
+  only when) their experts are the listed class, whose weights, scales and zero points
+  :func:`weight_view` moves.
 - **Device gate**: vLLM offers both classes on x86 CPUs with AMX tiles only, though their kernel
   (``fused_experts_cpu``, INT8_W8A8 and INT4_W4A8: int8 VNNI dot products either way) has an
   AVX-512 path: on CPUs with AVX-512, VNNI and AVX-512-BF16 but no AMX (AMD EPYC, this
@@ -43,10 +45,12 @@ class QuantizedLayerError(compat.VllmPluginError):
 class QuantizedExperts:
     """One vLLM CPU experts class whose weights the plugin moves, and how it is wired.
 
-    ``tensors``: ``(view name, kernel attribute, layer attribute names)`` for every per-expert
-    tensor besides ``w13``/``w2``, in the order the local-rows kernel takes them. The kernel's
-    attribute (what it reads) must be one of the layer's parameters, so a moved tensor is the
-    one vLLM's model sees too.
+    ``supports_eplb``: the quantization methods whose EPLB refusal is lifted for this class
+    (each tested with a real engine). ``tensors``: ``(view name, kernel attribute, layer
+    attribute names)`` for every per-expert tensor besides ``w13``/``w2``, in the order the
+    local-rows kernel takes them; the layer names differ by method (compressed-tensors
+    ``w13_weight_scale``, GPTQ ``w13_scales``). The kernel's attribute (what it reads) must be
+    one of the layer's parameters, so a moved tensor is the one vLLM's model sees too.
     """
 
     experts_class: str
@@ -54,7 +58,7 @@ class QuantizedExperts:
     view_format: str
     apply: compat.PatchTarget
     device: compat.PatchTarget
-    supports_eplb: compat.PatchTarget
+    supports_eplb: tuple[compat.PatchTarget, ...]
     tensors: tuple[tuple[str, str, tuple[str, ...]], ...]
 
     def experts_type(self) -> type:
@@ -69,7 +73,7 @@ INT8 = QuantizedExperts(
     view_format="cpu_int8_packed",
     apply=compat.CPU_INT8_EXPERTS_APPLY,
     device=compat.CPU_INT8_EXPERTS_DEVICE,
-    supports_eplb=compat.W8A8_INT8_SUPPORTS_EPLB,
+    supports_eplb=(compat.W8A8_INT8_SUPPORTS_EPLB,),
     tensors=(
         ("w13_scale", "w1_scale", ("w13_weight_scale", "w13_scale")),
         ("w2_scale", "w2_scale", ("w2_weight_scale", "w2_scale")),
@@ -81,12 +85,12 @@ INT4 = QuantizedExperts(
     view_format="cpu_int4_packed",
     apply=compat.CPU_INT4_EXPERTS_APPLY,
     device=compat.CPU_INT4_EXPERTS_DEVICE,
-    supports_eplb=compat.WNA16_SUPPORTS_EPLB,
+    supports_eplb=(compat.WNA16_SUPPORTS_EPLB, compat.GPTQ_SUPPORTS_EPLB),
     tensors=(
-        ("w13_scale", "w1_scale", ("w13_weight_scale",)),
-        ("w2_scale", "w2_scale", ("w2_weight_scale",)),
-        ("w13_zp", "w1_zp", ("w13_weight_zero_point",)),
-        ("w2_zp", "w2_zp", ("w2_weight_zero_point",)),
+        ("w13_scale", "w1_scale", ("w13_weight_scale", "w13_scales")),
+        ("w2_scale", "w2_scale", ("w2_weight_scale", "w2_scales")),
+        ("w13_zp", "w1_zp", ("w13_weight_zero_point", "w13_qzeros")),
+        ("w2_zp", "w2_zp", ("w2_weight_zero_point", "w2_qzeros")),
     ),
 )
 FORMATS = (INT8, INT4)
@@ -101,11 +105,12 @@ def avx512_int8_capable() -> bool:
 
 
 def install() -> None:
-    """Patch each listed experts class's apply and device gate, and its method's EPLB flag."""
+    """Patch each listed experts class's apply and device gate, and its methods' EPLB flags."""
     for experts in FORMATS:
         _install_apply(experts)
         _install_device_gate(experts)
-        _install_supports_eplb(experts)
+        for method in experts.supports_eplb:
+            _install_supports_eplb(experts, method)
 
 
 def _install_apply(experts: QuantizedExperts) -> None:
@@ -175,8 +180,8 @@ def _install_device_gate(experts: QuantizedExperts) -> None:
     setattr(owner, name, staticmethod(supported_with_avx512))
 
 
-def _install_supports_eplb(experts: QuantizedExperts) -> None:
-    owner, name, flag = experts.supports_eplb.owner_and_value()
+def _install_supports_eplb(experts: QuantizedExperts, method: compat.PatchTarget) -> None:
+    owner, name, flag = method.owner_and_value()
     if getattr(flag.fget, "__wrapped__", None) is not None:
         return
 
