@@ -82,13 +82,13 @@ def write_tiny_deepseek_v3(path: str | Path, *, seed: int = 0) -> Path:
     """DeepSeek-V3 style: MLA attention, grouped top-k (2 groups, 1 kept) with sigmoid scores and
     a correction bias, one shared expert.
 
-    vLLM's CPU MLA backend needs ``kv_lora_rank + qk_rope_head_dim = 576`` (512 + 64). 8 heads,
-    not the other families' 4: with 2 heads per rank (4 heads, TP=2) vLLM 0.32's compiled CPU MLA
-    engine already differs from one rank at the first token without expert parallelism (prefill
-    log-probabilities differ; TP=1 equals transformers), while with 4 or 8 heads per rank TP=2
-    equals TP=1 (issue 20, docs/vllm.md). MLA has no shared KV heads: ``num_key_value_heads``
-    equals the head count so that transformers' own forward (which repeats K/V by their ratio)
-    runs too; vLLM reads no KV head count for MLA.
+    vLLM's CPU MLA backend needs ``kv_lora_rank + qk_rope_head_dim = 576`` (512 + 64). 8 heads, not
+    the other families' 4: with 2 heads per rank (4 heads, TP=2) vLLM 0.32's compiled CPU MLA engine
+    already differs from one rank at the first token without expert parallelism (prefill
+    log-probabilities differ; TP=1 equals transformers, also with 2 heads), while with 4 or 8 heads
+    per rank TP=2 equals TP=1 (issue 20, docs/vllm.md). MLA has no shared KV heads:
+    ``num_key_value_heads`` equals the head count so that transformers' own forward (which repeats
+    K/V by their ratio) runs too; vLLM reads no KV head count for MLA.
     """
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
