@@ -1,9 +1,10 @@
 """Tiny random checkpoints of more MoE families, for real vLLM engines (tests only).
 
 Written with transformers' own model classes (``XxxForCausalLM(config).save_pretrained``), no hub:
-hidden 128, 2 layers, 4 heads / 2 KV heads of 32 (vLLM's CPU attention supports head size 32),
-8 experts, vocabulary 512, float32. Weights are drawn larger than transformers' default init so
-routing and logits are not degenerate (the same recipe as ``tiny_qwen3_moe``).
+hidden 128, 2 layers, 4 heads / 2 KV heads of 32 (vLLM's CPU attention supports head size 32;
+DeepSeek-V3's MLA has 8 heads, see there), 8 experts, vocabulary 512, float32. Weights are drawn
+larger than transformers' default init so routing and logits are not degenerate (the same recipe
+as ``tiny_qwen3_moe``).
 """
 
 from __future__ import annotations
@@ -81,18 +82,24 @@ def write_tiny_deepseek_v3(path: str | Path, *, seed: int = 0) -> Path:
     """DeepSeek-V3 style: MLA attention, grouped top-k (2 groups, 1 kept) with sigmoid scores and
     a correction bias, one shared expert.
 
-    vLLM's CPU MLA backend needs ``kv_lora_rank + qk_rope_head_dim = 576`` (512 + 64).
+    vLLM's CPU MLA backend needs ``kv_lora_rank + qk_rope_head_dim = 576`` (512 + 64). 8 heads, not
+    the other families' 4: with 2 heads per rank (4 heads, TP=2) vLLM 0.32's compiled CPU MLA engine
+    already differs from one rank at the first token without expert parallelism (prefill
+    log-probabilities differ; TP=1 equals transformers, also with 2 heads), while with 4 or 8 heads
+    per rank TP=2 equals TP=1 (issue 20, docs/vllm.md). MLA has no shared KV heads:
+    ``num_key_value_heads`` equals the head count so that transformers' own forward (which repeats
+    K/V by their ratio) runs too; vLLM reads no KV head count for MLA.
     """
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     common = {k: v for k, v in _COMMON.items() if k != "head_dim"}
     config = DeepseekV3Config(
-        **{**common, "num_key_value_heads": 4},
+        **{**common, "num_attention_heads": 8, "num_key_value_heads": 8},
         intermediate_size=256,
         moe_intermediate_size=64,
         n_shared_experts=1,
         n_routed_experts=NUM_EXPERTS,
-        routed_scaling_factor=1.0,
+        routed_scaling_factor=2.5,  # DeepSeek-V3's own: a lost or doubled scale shows
         kv_lora_rank=512,
         q_lora_rank=None,
         qk_rope_head_dim=64,
