@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from quantized_moves import CHANGED_SLOTS, two_rank_move
 
 from eplb_graph.integrations.vllm.local_rows import vllm_local_experts
-from eplb_graph.integrations.vllm.slot_digests import DigestLog, check_slot_digests
+from eplb_graph.integrations.vllm.slot_digests import check_slot_digests
 from eplb_graph.movement.views import CpuInt8PackedView, UnsupportedWeightFormat, make_expert_view
 
 ops = pytest.importorskip("vllm._custom_ops", reason="the vllm extra is not installed")
@@ -169,38 +170,11 @@ def test_eplb_is_lifted_for_the_int8_cpu_experts_only_and_the_gate_follows_the_c
 
 
 def _two_rank_move(move_scales: bool):
-    """Two ranks of 5 slots (8 experts + 2 redundant), moved to a new placement payload by
-    payload; ``move_scales=False`` plants the bug: weights move, scales stay."""
+    """``move_scales=False`` plants the bug: weights move, scales stay."""
     *_, s13, s2, p13, p2 = _int8_experts(3)
-    old = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 0, 1]])
-    new = torch.tensor([[3, 2, 4, 0, 6, 1, 5, 7, 2, 3]])
-    ranks = []
-    for rank in range(2):
-        experts = old[0, 5 * rank : 5 * rank + 5]
-        tensors = {
-            "w13": p13[experts].clone(), "w2": p2[experts].clone(),
-            "w13_scale": s13[experts].clone(), "w2_scale": s2[experts].clone(),
-        }  # fmt: skip
-        ranks.append(tensors)
-    logs = [DigestLog([tensors]) for tensors in ranks]
-    for log in logs:
-        log.record(0, old)
-    moved = ("w13", "w2", "w13_scale", "w2_scale") if move_scales else ("w13", "w2")
-    views = [
-        make_expert_view("strided_packed", {n: t[n] for n in moved}, expert_dim=0) for t in ranks
-    ]
-    payloads = {}
-    for slot in range(10):  # what the new placement needs, from a slot holding it now
-        source = int((old[0] == new[0, slot]).nonzero()[0])
-        payload = torch.empty(views[0].slot_nbytes, dtype=torch.uint8)
-        views[source // 5].pack_slot(source % 5, payload)
-        payloads[slot] = payload
-    for slot, payload in payloads.items():
-        views[slot // 5].unpack_slot_(slot % 5, payload)
-    for log in logs:
-        log.record(1, new)
-    documents = [{"rank": rank, "weight_digests": log.document()} for rank, log in enumerate(logs)]
-    return documents, int((old != new).sum())
+    experts = {"w13": p13, "w2": p2, "w13_scale": s13, "w2_scale": s2}
+    moved = tuple(experts) if move_scales else ("w13", "w2")
+    return two_rank_move(experts, moved), CHANGED_SLOTS
 
 
 def test_the_digest_check_passes_when_scales_move_with_their_weights():

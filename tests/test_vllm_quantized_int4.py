@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from quantized_moves import CHANGED_SLOTS, two_rank_move
 
 from eplb_graph.integrations.vllm.local_rows import vllm_local_experts
 from eplb_graph.integrations.vllm.slot_digests import check_slot_digests
@@ -198,6 +199,13 @@ def test_eplb_is_lifted_for_the_int4_cpu_experts_only_and_the_gate_follows_the_c
     assert gptq.supports_eplb is True
     gptq.experts_cls = cpu_moe.CPUExpertsInt8
     assert gptq.supports_eplb is False
+    from vllm.model_executor.layers.quantization.auto_awq import AutoAWQMoEMethod
+
+    awq = object.__new__(AutoAWQMoEMethod)
+    awq.experts_cls = cpu_moe.CPUExpertsInt4
+    assert awq.supports_eplb is True
+    awq.experts_cls = None
+    assert awq.supports_eplb is False
     supported = cpu_moe.CPUExpertsInt4._supports_current_device()
     expected = torch.cpu._is_amx_tile_supported() or quantized.avx512_int8_capable()
     assert supported == expected
@@ -240,38 +248,15 @@ def test_the_w4a16_writer_packs_expert_groups_as_compressed_tensors_reads_them(t
 def test_the_digest_check_catches_int4_scales_or_zero_points_left_behind(moved):
     """Two ranks of 5 slots move to a new placement; a view that forgets the scales (or the
     zero points, made distinct per expert here: symmetric checkpoints have all 8) fails."""
-    from eplb_graph.integrations.vllm.slot_digests import DigestLog
-
     _, _, blocked = _int4_experts(6)
     names = ("w13", "w2", "w13_scale", "w2_scale", "w13_zp", "w2_zp")
     experts = {name: t.clone() for name, t in zip(names, blocked, strict=True)}
     for name in ("w13_zp", "w2_zp"):
         experts[name].random_(-8, 8, generator=torch.Generator().manual_seed(9))
-    old = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 0, 1]])
-    new = torch.tensor([[3, 2, 4, 0, 6, 1, 5, 7, 2, 3]])
-    ranks = [{n: t[old[0, 5 * r : 5 * r + 5]].clone() for n, t in experts.items()} for r in (0, 1)]
-    logs = [DigestLog([tensors]) for tensors in ranks]
-    for log in logs:
-        log.record(0, old)
-    keep = {"all": (), "weights only": names[2:], "no zero points": names[4:]}[moved]
-    views = [
-        make_expert_view("strided_packed", {n: t[n] for n in names if n not in keep}, expert_dim=0)
-        for t in ranks
-    ]
-    payloads = {}
-    for slot in range(10):  # what the new placement needs, from a slot holding it now
-        source = int((old[0] == new[0, slot]).nonzero()[0])
-        payloads[slot] = torch.empty(views[0].slot_nbytes, dtype=torch.uint8)
-        views[source // 5].pack_slot(source % 5, payloads[slot])
-    for slot, payload in payloads.items():
-        views[slot // 5].unpack_slot_(slot % 5, payload)
-    for log in logs:
-        log.record(1, new)
-    documents = [{"rank": r, "weight_digests": log.document()} for r, log in enumerate(logs)]
-    checked, problems = check_slot_digests(documents)
+    moved = {"all": names, "weights only": names[:2], "no zero points": names[:4]}[moved]
+    checked, problems = check_slot_digests(two_rank_move(experts, moved))
     assert checked == 2
-    changed = int((old != new).sum())
-    assert len(problems) == (0 if moved == "all" else changed), problems
+    assert len(problems) == (0 if moved == names else CHANGED_SLOTS), problems
 
 
 def test_the_gptq_writer_packs_along_the_input_with_gptqs_zero_point_convention(tmp_path):
@@ -306,6 +291,50 @@ def test_the_gptq_writer_packs_along_the_input_with_gptqs_zero_point_convention(
                        source["model.layers.0.self_attn.q_proj.weight"])  # fmt: skip
 
 
+def test_awq_checkpoints_are_read_by_vllm_as_written_and_keep_per_expert_zero_points():
+    """The AWQ writer's tensors (output-packed in AWQ's nibble order, asymmetric zero points),
+    stacked as ``AutoAWQMoEMethod`` loads them and repacked by vLLM's CPU AWQ path: the kernel
+    equals ``(q - zero) * scale``; the blocked zero points differ by expert, so an expert's
+    zero points left behind would show in the digests."""
+    from vllm._custom_ops import CPUQuantAlgo
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import (
+        prepare_int4_moe_layer_for_cpu,
+    )
+
+    from eplb_graph.models.tiny_w4a16 import _awq_tensors, quantize_uint4_groups
+
+    gen = torch.Generator().manual_seed(11)
+    w13 = torch.randn(E, 2 * INTER, H, generator=gen) * 0.1  # [out = gate + up, in]
+    w2 = torch.randn(E, H, INTER, generator=gen) * 0.1
+    stacked: dict[str, list] = {}
+    dequantized = []
+    for matrix in (w13, w2):
+        parts = [_awq_tensors("x", matrix[e], GROUP) for e in range(E)]
+        for name in ("qweight", "qzeros", "scales"):
+            stacked.setdefault(name, []).append(torch.stack([p[f"x.{name}"] for p in parts]))
+        rows = []
+        for e in range(E):
+            q, zero, scale = quantize_uint4_groups(matrix[e], GROUP)
+            step = scale.float().repeat_interleave(GROUP, dim=1)
+            rows.append((q.float() - zero.float().repeat_interleave(GROUP, dim=1)) * step)
+        dequantized.append(torch.stack(rows))
+    (q13, q2), (z13, z2), (s13, s2) = (stacked[n] for n in ("qweight", "qzeros", "scales"))
+    b13, b2, bs13, bs2, bz13, bz2 = prepare_int4_moe_layer_for_cpu(
+        q13, q2, s13.bfloat16(), s2.bfloat16(), CPUQuantAlgo.AWQ, z13, z2
+    )
+    hidden = torch.randn(12, H, generator=gen).to(torch.bfloat16)
+    ids = torch.randint(0, E, (12, K), generator=gen, dtype=torch.int32)
+    weights = torch.rand(12, K, generator=gen)
+    out = torch.empty_like(hidden)
+    ops.fused_experts_cpu(
+        out, hidden, b13, b2, weights, ids, ops.CPUQuantMethod.INT4_W4A8, bs13, bs2, bz13, bz2,
+        None, None, None, None, None, True,
+    )  # fmt: skip
+    reference = _reference(hidden, ids, weights, *dequantized)
+    assert (out.float() - reference).abs().max() <= 0.05 * reference.abs().max()
+    assert len({bytes(bz13[e].flatten().view(torch.uint8).tolist()) for e in range(E)}) == E
+
+
 # -- real engines ---------------------------------------------------------------------------------
 
 
@@ -313,30 +342,34 @@ CHECKPOINTS = {
     # name: (checkpoint format, compiled): vLLM's two W4A16 MoE methods that reach CPUExpertsInt4
     "ct": ("compressed-tensors", True),  # CompressedTensorsWNA16MoEMethod
     "gptq": ("gptq", False),  # AutoGPTQMoEMethod
+    "awq": ("awq", False),  # AutoAWQMoEMethod: asymmetric, zero points differ by expert
 }
 
 
 @pytest.fixture(scope="module")
-def w4a16_engines(tmp_path_factory):
-    """``start(checkpoint)``: its two engines in one process, one after another (2 cores)."""
+def w4a16_engines(request, tmp_path_factory):
+    """``checkpoint -> {"fixed", "eplb"}``: the engines of every checkpoint the selected tests
+    ask for, all in one process, one after another (2 cores; one vLLM import for all)."""
     from test_vllm_engine import EPLB, MAX_TOKENS, PROMPTS, metrics
     from test_vllm_families import run_engines
 
     from eplb_graph.models.tiny_w4a16 import write_tiny_w4a16
 
-    cache: dict[str, dict] = {}
-
-    def start(checkpoint: str) -> dict:
-        if checkpoint in cache:
-            return cache[checkpoint]
+    selected = {
+        item.callspec.params.get("checkpoint")
+        for item in request.session.items
+        if item.module is request.module and getattr(item, "callspec", None) is not None
+    } & set(CHECKPOINTS)
+    root = tmp_path_factory.mktemp("w4a16")
+    engines = []
+    for checkpoint in sorted(selected):
         checkpoint_format, compiled = CHECKPOINTS[checkpoint]
-        root = tmp_path_factory.mktemp(f"w4a16-{checkpoint}")
-        model = write_tiny_w4a16(root / "qwen3_w4a16", checkpoint_format=checkpoint_format)
-        engines = []
+        model = write_tiny_w4a16(root / checkpoint, checkpoint_format=checkpoint_format)
         for mode in ("fixed", "eplb"):
-            section = {"metrics_path": str(root / f"metrics-{mode}")}
+            name = f"{checkpoint}-{mode}"
+            section = {"metrics_path": str(root / f"metrics-{name}")}
             if mode == "fixed":  # record mode: plans are written, never applied
-                section["record_map_path"] = str(root / f"{mode}-map.json")
+                section["record_map_path"] = str(root / f"{name}-map.json")
             else:
                 section["weight_digests"] = True
             llm = {
@@ -355,7 +388,7 @@ def w4a16_engines(tmp_path_factory):
             }
             engines.append(
                 {
-                    "name": mode,
+                    "name": name,
                     "model": str(model),
                     "prompts": PROMPTS,
                     "llm": llm,
@@ -363,18 +396,16 @@ def w4a16_engines(tmp_path_factory):
                     "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
                 }
             )
-        results = run_engines(root, engines)
-        for mode, result in results.items():
-            if "error" in result:
-                log = (root / "families.log").read_text()[-3000:]
-                pytest.fail(
-                    f"the W4A16 {checkpoint} {mode} engine failed: {result['error']}\n{log}"
-                )
-            result["metrics"] = metrics(root / f"metrics-{mode}")
-        cache[checkpoint] = results
-        return results
-
-    return start
+    results = run_engines(root, engines) if engines else {}
+    served: dict[str, dict] = {}
+    for name, result in results.items():
+        if "error" in result:
+            log = (root / "families.log").read_text()[-3000:]
+            pytest.fail(f"the W4A16 engine {name} failed: {result['error']}\n{log}")
+        result["metrics"] = metrics(root / f"metrics-{name}")
+        checkpoint, mode = name.rsplit("-", 1)
+        served.setdefault(checkpoint, {})[mode] = result
+    return served.__getitem__
 
 
 @pytest.mark.parametrize("checkpoint", list(CHECKPOINTS))

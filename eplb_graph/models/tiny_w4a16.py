@@ -99,7 +99,63 @@ def _gptq_tensors(stem: str, quantized, scale, group_size: int) -> dict:
     }
 
 
-FORMATS = ("compressed-tensors", "gptq")
+#: AWQ's nibble order: nibble ``i`` of a word holds column ``8 j + AWQ_ORDER[i]``.
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def awq_config(group_size: int = GROUP_SIZE) -> dict:
+    """AutoAWQ's ``quantization_config`` (GEMM, asymmetric): attention and routers unconverted."""
+    return {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": group_size,
+        "zero_point": True,
+        "version": "gemm",
+        "modules_to_not_convert": ["self_attn", "mlp.gate"],
+    }
+
+
+def quantize_uint4_groups(weight, group_size: int = GROUP_SIZE):
+    """Asymmetric: ``(q in [0, 15], zero in [0, 15] [out, in / group], bf16 scale)`` with
+    ``weight ~= (q - zero) * scale``; zero points differ by expert (what AWQ checkpoints carry)."""
+    import torch
+
+    out_features, in_features = weight.shape
+    grouped = weight.to(torch.float32).view(out_features, in_features // group_size, group_size)
+    low = grouped.amin(dim=2).clamp(max=0.0)
+    high = grouped.amax(dim=2).clamp(min=0.0)
+    scale = ((high - low).clamp(min=1e-8) / 15.0).to(torch.bfloat16)
+    zero = torch.round(-low / scale.float()).clamp(0, 15)
+    quantized = torch.round(grouped / scale.float().unsqueeze(2)) + zero.unsqueeze(2)
+    quantized = quantized.clamp(0, 15).to(torch.int32).view(out_features, in_features)
+    return quantized, zero.to(torch.int32), scale.contiguous()
+
+
+def _pack_awq(values):
+    """``[rows, cols]`` in [0, 15] -> int32 ``[rows, cols / 8]`` in AWQ's nibble order."""
+    import torch
+
+    rows, cols = values.shape
+    blocks = values.view(rows, cols // 8, 8)[:, :, list(AWQ_ORDER)].to(torch.int64)
+    shifts = torch.arange(8, dtype=torch.int64) * 4
+    words = (blocks << shifts).sum(dim=2)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()
+
+
+def _awq_tensors(stem: str, weight, group_size: int) -> dict:
+    """AWQ's tensors of one linear: ``qweight`` ``[in, out / 8]`` and ``qzeros`` ``[groups,
+    out / 8]`` (packed along the output, AWQ order), ``scales`` float16 ``[groups, out]``."""
+    import torch
+
+    quantized, zero, scale = quantize_uint4_groups(weight, group_size)
+    return {
+        f"{stem}.qweight": _pack_awq(quantized.t().contiguous()),
+        f"{stem}.qzeros": _pack_awq(zero.t().contiguous()),
+        f"{stem}.scales": scale.t().to(torch.float16).contiguous(),
+    }
+
+
+FORMATS = ("compressed-tensors", "gptq", "awq")
 
 
 def write_tiny_w4a16(
@@ -110,7 +166,8 @@ def write_tiny_w4a16(
     checkpoint_format: str = "compressed-tensors",
 ) -> Path:
     """Write the W4A16 checkpoint folder ``path`` (float model written beside it, then removed)
-    in ``checkpoint_format``: compressed-tensors ``pack-quantized`` or GPTQ."""
+    in ``checkpoint_format``: compressed-tensors ``pack-quantized``, GPTQ (both symmetric) or
+    AWQ (asymmetric: per-group zero points)."""
     if checkpoint_format not in FORMATS:
         raise ValueError(f"checkpoint_format must be one of {FORMATS}, got {checkpoint_format!r}")
     import tempfile
@@ -132,6 +189,9 @@ def write_tiny_w4a16(
                 out[name] = tensor.contiguous()
                 continue
             stem = name[: -len(".weight")]
+            if checkpoint_format == "awq":
+                out.update(_awq_tensors(stem, tensor, group_size))
+                continue
             quantized, scale = quantize_int4_groups(tensor, group_size)
             if checkpoint_format == "gptq":
                 out.update(_gptq_tensors(stem, quantized, scale, group_size))
@@ -141,11 +201,11 @@ def write_tiny_w4a16(
             out[f"{stem}.weight_shape"] = torch.tensor(list(tensor.shape), dtype=torch.int64)
         save_file(out, path / "model.safetensors", metadata={"format": "pt"})
         config = json.loads((source / "config.json").read_text())
-        config["quantization_config"] = (
-            gptq_config(group_size)
-            if checkpoint_format == "gptq"
-            else quantization_config(group_size)
-        )
+        config["quantization_config"] = {
+            "gptq": gptq_config,
+            "awq": awq_config,
+            "compressed-tensors": quantization_config,
+        }[checkpoint_format](group_size)
         (path / "config.json").write_text(json.dumps(config, indent=2))
         generation = source / "generation_config.json"
         if generation.exists():

@@ -124,6 +124,11 @@ GPTQ_SUPPORTS_EPLB = PatchTarget(
     "AutoGPTQMoEMethod.supports_eplb",
     ("self",),
 )
+AWQ_SUPPORTS_EPLB = PatchTarget(
+    "vllm.model_executor.layers.quantization.auto_awq",
+    "AutoAWQMoEMethod.supports_eplb",
+    ("self",),
+)
 CPU_LOAD_MODEL = PatchTarget(
     "vllm.v1.worker.cpu_model_runner", "CPUModelRunner.load_model", ("self", "load_dummy_weights")
 )
@@ -197,6 +202,7 @@ TARGETS = (
     CPU_INT4_EXPERTS_DEVICE,
     WNA16_SUPPORTS_EPLB,
     GPTQ_SUPPORTS_EPLB,
+    AWQ_SUPPORTS_EPLB,
     ENGINE_PROCS_SHUTDOWN,
     GPT_OSS_FACTORY,
     GPT_OSS_LOAD,

@@ -3,9 +3,8 @@
 Each entry of :data:`FORMATS` is one vLLM CPU experts class whose weights eplb-graph really
 moves, whole: W8A8 int8 (``CPUExpertsInt8``: vLLM's compressed-tensors W8A8 int8 method and
 online ``quantization="experts_int8"``) and W4A16 (``CPUExpertsInt4``: compressed-tensors
-``pack-quantized`` and GPTQ int4 groups; AWQ reaches the same class but its method is not
-lifted, untested). Three things stand between such a class and expert parallelism
-with EPLB, and each is fixed here, for the listed classes only:
+``pack-quantized``, GPTQ and AWQ int4 groups). Three things stand between such a class and
+expert parallelism with EPLB, and each is fixed here, for the listed classes only:
 
 - **Local rows**: these classes' ``apply`` hands the kernel global slot ids and no expert map,
   so with expert parallelism it indexes past the rank's weights (a segfault in
@@ -85,7 +84,7 @@ INT4 = QuantizedExperts(
     view_format="cpu_int4_packed",
     apply=compat.CPU_INT4_EXPERTS_APPLY,
     device=compat.CPU_INT4_EXPERTS_DEVICE,
-    supports_eplb=(compat.WNA16_SUPPORTS_EPLB, compat.GPTQ_SUPPORTS_EPLB),
+    supports_eplb=(compat.WNA16_SUPPORTS_EPLB, compat.GPTQ_SUPPORTS_EPLB, compat.AWQ_SUPPORTS_EPLB),
     tensors=(
         ("w13_scale", "w1_scale", ("w13_weight_scale", "w13_scales")),
         ("w2_scale", "w2_scale", ("w2_weight_scale", "w2_scales")),
