@@ -65,6 +65,13 @@ def make_tensors(format_name: str, slots: int, seed: int) -> tuple[dict, dict]:
             "w13_scale": fill((slots, 2 * i, 1), torch.float32, next(seeds)),
             "w2_scale": fill((slots, h), torch.float32, next(seeds)),
         }
+    elif format_name == "cpu_fp8_block":  # vLLM's packed fp8, one scale per 128x128 block
+        tensors = {
+            "w13": fill((slots, 2 * i, h), torch.float8_e4m3fn, next(seeds)),
+            "w2": fill((slots, h, i), torch.float8_e4m3fn, next(seeds)),
+            "w13_scale": fill((slots, 1, 1), torch.float32, next(seeds)),
+            "w2_scale": fill((slots, 1, 1), torch.float32, next(seeds)),
+        }
     elif format_name == "strided_packed":
         tensors = {
             "w13": fill((h, slots, 2 * i), torch.float16, next(seeds)),
