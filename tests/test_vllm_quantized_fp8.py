@@ -12,9 +12,11 @@ Engine part: a float Qwen3-MoE checkpoint (expert intermediate 192, which vLLM p
 quantization_config={"moe": "fp8_per_block"}``), served in bfloat16 with TP=2 + expert
 parallelism and 2 redundant slots. Two engines, one after another in one process: record mode
 (the same layout, EPLB off) and EPLB on (synchronous, eager) with ``weight_digests``. Asserted:
-the tokens are identical, at least 2 rearrangements commit on one placement on both ranks, and
-after every commit every local slot's fp8 bytes and block scales equal those of the expert the
-placement names (``slot_digests.check_slot_digests``).
+both generate on their local rows, at least 2 rearrangements commit on one placement on both
+ranks, and after every commit every local slot's fp8 bytes and block scales equal those of the
+expert the placement names (``slot_digests.check_slot_digests``). Tokens are not compared with
+EPLB off: vLLM's FP8 CPU kernel is batch-variant (a unit test below shows it), so EPLB's other
+row counts per expert may flip near-tie tokens.
 """
 
 from __future__ import annotations
@@ -118,6 +120,22 @@ def test_fp8_local_rows_of_two_ranks_sum_to_the_kernel_on_every_row(tokens):
     # bf16 output rounding on both sides; the block dequantization itself is exact
     assert (total - whole.float()).abs().max() <= 0.02 * scale
     assert (whole.float() - reference).abs().max() <= 0.03 * scale
+
+
+def test_the_fp8_kernel_is_batch_variant():
+    """vLLM's FP8 W8A16 CPU kernel: a row's bf16 output depends on the other rows of the call
+    (the last rows of a batch computed alone differ in their last bits), unlike the int8
+    kernel's exact integer sums. This is why the engine test does not compare tokens with EPLB
+    off; when this fails (vLLM made the kernel batch-invariant), compare them."""
+    *_, s13, s2, p13, p2 = _fp8_experts(6)
+    gen = torch.Generator().manual_seed(6)
+    hidden = torch.randn(76, H, generator=gen).to(torch.bfloat16)
+    ids = torch.randint(2, 5, (76, 1), generator=gen, dtype=torch.int32)  # 3 experts, top-1
+    weights = torch.ones(76, 1)
+    whole = _whole(hidden, ids, weights, p13, p2, s13, s2)
+    alone = _whole(hidden[-4:].contiguous(), ids[-4:].contiguous(), weights[-4:], p13, p2, s13, s2)
+    assert not torch.equal(alone, whole[-4:])
+    assert (alone.float() - whole[-4:].float()).abs().max() <= 0.02 * whole.float().abs().max()
 
 
 def _experts_layer(p13, p2, s13, s2) -> torch.nn.Module:
@@ -328,17 +346,22 @@ def fp8_engines(tmp_path_factory):
     return results
 
 
-def test_fp8_tokens_with_eplb_equal_the_same_layout_with_eplb_off(fp8_engines):
-    """Top-2 on 2 ranks: a token's output is its two bf16 expert rows added and rounded once,
-    whichever ranks compute them, so the placement changes no token."""
+def test_fp8_engines_serve_on_their_local_rows(fp8_engines):
+    """Both engines generate every token, each rank's FP8 kernel computing its own rows.
+
+    Their tokens are not compared: vLLM's FP8 CPU kernel is batch-variant (see
+    ``test_the_fp8_kernel_is_batch_variant``), and EPLB changes how many rows each expert gets
+    on each rank, so near-tie tokens may flip (seen: 2 of 4 EPLB engines differed from EPLB off
+    at prompt 3's first token, 2 were identical)."""
     fixed = fp8_engines["fixed"]
     for rank in fixed["metrics"]:
         assert rank["layers_committed"] == 0 and rank["plans_recorded"] >= 2, rank
-        assert rank["expert_rows"] > 0, rank  # the local-rows op ran the FP8 kernel
-    tokens = fixed["tokens"][0]
-    assert len(tokens) == 4 and all(len(t) == 64 for t in tokens)
-    assert len({tuple(t) for t in tokens}) > 1  # the model is not degenerate
-    assert fp8_engines["eplb"]["tokens"] == fixed["tokens"]
+    for mode in ("fixed", "eplb"):
+        for rank in fp8_engines[mode]["metrics"]:
+            assert rank["expert_rows"] > 0, rank  # the local-rows op ran the FP8 kernel
+        tokens = fp8_engines[mode]["tokens"][0]
+        assert len(tokens) == 4 and all(len(t) == 64 for t in tokens)
+        assert len({tuple(t) for t in tokens}) > 1  # the model is not degenerate
 
 
 def test_fp8_rearrangements_move_whole_experts_with_their_block_scales(fp8_engines):
