@@ -72,6 +72,13 @@ def make_tensors(format_name: str, slots: int, seed: int) -> tuple[dict, dict]:
             tensors[stem] = fill((*tiles, 32 * 64 // 2 + 128), torch.uint8, next(seeds))
             tensors[f"{stem}_scale"] = fill((*tiles, 32), torch.float32, next(seeds))
             tensors[f"{stem}_zp"] = fill((*tiles, 32), torch.int8, next(seeds))
+    elif format_name == "cpu_fp8_block":  # vLLM's packed fp8, one scale per 128x128 block
+        tensors = {
+            "w13": fill((slots, 2 * i, h), torch.float8_e4m3fn, next(seeds)),
+            "w2": fill((slots, h, i), torch.float8_e4m3fn, next(seeds)),
+            "w13_scale": fill((slots, 1, 1), torch.float32, next(seeds)),
+            "w2_scale": fill((slots, 1, 1), torch.float32, next(seeds)),
+        }
     elif format_name == "strided_packed":
         tensors = {
             "w13": fill((h, slots, 2 * i), torch.float16, next(seeds)),

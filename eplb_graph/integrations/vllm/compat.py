@@ -186,6 +186,12 @@ GPT_OSS_LOAD_OTHER = PatchTarget(
         "stacked_params_mapping",
     ),
 )
+CPU_FP8_EXPERTS_APPLY = PatchTarget(
+    CPU_EXPERTS_APPLY.module, "CPUExpertsFp8.apply", CPU_EXPERTS_APPLY.parameters
+)
+CPU_FP8_EXPERTS_DEVICE = PatchTarget(
+    CPU_EXPERTS_APPLY.module, "CPUExpertsFp8._supports_current_device", ()
+)
 TARGETS = (
     ROUTING_HOOK,
     CPU_EXPERTS_APPLY,
@@ -207,6 +213,8 @@ TARGETS = (
     GPT_OSS_FACTORY,
     GPT_OSS_LOAD,
     GPT_OSS_LOAD_OTHER,
+    CPU_FP8_EXPERTS_APPLY,
+    CPU_FP8_EXPERTS_DEVICE,
 )
 
 _PLATFORM_GATE_MODULE = "vllm.config.parallel"

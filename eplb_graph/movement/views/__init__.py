@@ -12,6 +12,7 @@ Formats that cannot keep this contract are rejected by name when the view is bui
 - :mod:`.formats`: the concrete formats (unquantized, W8A8, W4A8, strided, internal layout).
 - :mod:`.cpu_int8`: vLLM's CPU int8 experts (VNNI-packed weights, compensation, scales).
 - :mod:`.cpu_int4`: vLLM's CPU int4 experts (blocked int4 weights, group scales, zero points).
+- :mod:`.cpu_fp8`: vLLM's CPU FP8 block experts (packed fp8 weights, 128x128 block scales).
 - :mod:`.registry`: format names, :func:`make_expert_view` and :func:`register_weight_format`.
 """
 
@@ -22,6 +23,7 @@ from eplb_graph.movement.views.contract import (
     UnsupportedWeightFormat,
     WeightViewError,
 )
+from eplb_graph.movement.views.cpu_fp8 import CpuFp8BlockView
 from eplb_graph.movement.views.cpu_int4 import CpuInt4PackedView
 from eplb_graph.movement.views.cpu_int8 import CpuInt8PackedView
 from eplb_graph.movement.views.formats import (
@@ -40,6 +42,7 @@ from eplb_graph.movement.views.registry import (
 )
 
 __all__ = [
+    "CpuFp8BlockView",
     "CpuInt4PackedView",
     "CpuInt8PackedView",
     "ExpertWeightView",
