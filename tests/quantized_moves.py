@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from eplb_graph.integrations.vllm.slot_digests import DigestLog
+from eplb_graph.integrations.vllm.slot_digests import DigestLog, check_slot_digests
 from eplb_graph.movement.views import make_expert_view
 
 OLD = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 0, 1]])
@@ -40,3 +40,10 @@ def two_rank_move(experts: dict[str, torch.Tensor], moved: tuple[str, ...]) -> l
     for log in logs:
         log.record(1, NEW)
     return [{"rank": rank, "weight_digests": log.document()} for rank, log in enumerate(logs)]
+
+
+def problems_after_move(experts: dict[str, torch.Tensor], moved: tuple[str, ...]) -> list[str]:
+    """What the digest check finds after :func:`two_rank_move` (one record per rank checked)."""
+    checked, problems = check_slot_digests(two_rank_move(experts, moved))
+    assert checked == 2
+    return problems

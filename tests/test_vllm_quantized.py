@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quantized_moves import CHANGED_SLOTS, two_rank_move
+from quantized_moves import CHANGED_SLOTS, problems_after_move
 
 from eplb_graph.integrations.vllm.local_rows import vllm_local_experts
 from eplb_graph.integrations.vllm.slot_digests import check_slot_digests
@@ -165,30 +165,24 @@ def test_eplb_is_lifted_for_the_int8_cpu_experts_only_and_the_gate_follows_the_c
     method.experts_cls = cpu_moe.ZenCPUExpertsInt8  # a kernel whose weights nothing moves
     assert method.supports_eplb is False
     supported = cpu_moe.CPUExpertsInt8._supports_current_device()
-    expected = torch.cpu._is_amx_tile_supported() or quantized.avx512_int8_capable()
+    expected = torch.cpu._is_amx_tile_supported() or quantized.avx512_vnni_bf16_capable()
     assert supported == expected
 
 
-def _two_rank_move(move_scales: bool):
-    """``move_scales=False`` plants the bug: weights move, scales stay."""
+def _moved_experts():
     *_, s13, s2, p13, p2 = _int8_experts(3)
-    experts = {"w13": p13, "w2": p2, "w13_scale": s13, "w2_scale": s2}
-    moved = tuple(experts) if move_scales else ("w13", "w2")
-    return two_rank_move(experts, moved), CHANGED_SLOTS
+    return {"w13": p13, "w2": p2, "w13_scale": s13, "w2_scale": s2}
 
 
 def test_the_digest_check_passes_when_scales_move_with_their_weights():
-    documents, _ = _two_rank_move(move_scales=True)
-    checked, problems = check_slot_digests(documents)
-    assert checked == 2 and problems == []
+    assert problems_after_move(_moved_experts(), ("w13", "w2", "w13_scale", "w2_scale")) == []
 
 
 def test_a_planted_mismatch_scales_left_behind_fails_the_digest_check():
-    documents, changed = _two_rank_move(move_scales=False)
-    checked, problems = check_slot_digests(documents)
-    assert checked == 2
-    # every slot whose expert changed has the right weights next to another expert's scales
-    assert changed > 0 and len(problems) == changed, problems
+    """Weights move, scales stay: every slot whose expert changed has the right weights next
+    to another expert's scales."""
+    problems = problems_after_move(_moved_experts(), ("w13", "w2"))
+    assert len(problems) == CHANGED_SLOTS > 0, problems
 
 
 # -- real engines ---------------------------------------------------------------------------------

@@ -23,14 +23,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from quantized_moves import CHANGED_SLOTS, problems_after_move
 
 from eplb_graph.integrations.vllm.local_rows import vllm_local_experts
-from eplb_graph.integrations.vllm.slot_digests import DigestLog, check_slot_digests
+from eplb_graph.integrations.vllm.slot_digests import check_slot_digests
 from eplb_graph.movement.views import CpuFp8BlockView, UnsupportedWeightFormat, make_expert_view
 
 ops = pytest.importorskip("vllm._custom_ops", reason="the vllm extra is not installed")
 
-from eplb_graph.integrations.vllm import quantized_fp8  # noqa: E402  (needs vLLM)
+from eplb_graph.integrations.vllm import quantized  # noqa: E402  (needs vLLM)
 
 pytestmark = pytest.mark.vllm
 
@@ -110,7 +111,7 @@ def test_fp8_local_rows_of_two_ranks_sum_to_the_kernel_on_every_row(tokens):
         stats = torch.zeros(2, dtype=torch.int64)
         part = vllm_local_experts(
             hidden, ids, weights, _rank_map(rank),
-            [p13[local], p2[local], s13[local], s2[local]], stats, quantized_fp8.KERNEL,
+            [p13[local], p2[local], s13[local], s2[local]], stats, quantized.FP8.kernel,
         )  # fmt: skip
         rows += int(stats[0])
         total += part.float()
@@ -163,8 +164,8 @@ def test_the_patched_apply_computes_the_rank_rows_only_and_counts_them():
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUExpertsFp8
 
-    quantized_fp8.install()
-    quantized_fp8.install()  # idempotent: nothing wrapped twice
+    quantized.install()
+    quantized.install()  # idempotent: nothing wrapped twice
     assert not hasattr(CPUExpertsFp8.apply.__wrapped__, "__wrapped__")
     w13, w2, s13, s2, p13, p2 = _fp8_experts(5)
     hidden, ids, weights = _routing(12, 5)
@@ -221,13 +222,13 @@ def test_weight_view_takes_the_scales_the_kernel_reads_and_refuses_other_blocks(
     *_, s13, s2, p13, p2 = _fp8_experts(3)
     experts = _experts_layer(p13, p2, s13, s2)
     kernel = _kernel(experts.w13_weight_scale_inv, experts.w2_weight_scale_inv)
-    assert quantized_fp8.is_fp8_experts(kernel)
-    view = quantized_fp8.weight_view(0, experts, kernel)
+    assert quantized.format_of(kernel) is quantized.FP8
+    view = quantized.weight_view(0, experts, kernel)
     assert view.data_ptrs()["w13_scale"] == experts.w13_weight_scale_inv.data_ptr()
     with pytest.raises(QuantizedLayerError, match="w1_scale is not the layer's"):
-        quantized_fp8.weight_view(0, experts, _kernel(s13.clone(), s2))
+        quantized.weight_view(0, experts, _kernel(s13.clone(), s2))
     with pytest.raises(QuantizedLayerError, match=r"\(64, 64\) blocks"):
-        quantized_fp8.weight_view(0, experts, _kernel(s13, s2, block=(64, 64)))
+        quantized.weight_view(0, experts, _kernel(s13, s2, block=(64, 64)))
 
 
 def test_the_fp8_gate_follows_the_cpu_and_the_patched_names_are_vllms():
@@ -237,62 +238,26 @@ def test_the_fp8_gate_follows_the_cpu_and_the_patched_names_are_vllms():
 
     for target in (compat.CPU_FP8_EXPERTS_APPLY, compat.CPU_FP8_EXPERTS_DEVICE):
         assert target in compat.TARGETS and target.problem() is None, target.name
-    quantized_fp8.install()
+    quantized.install()
     supported = cpu_moe.CPUExpertsFp8._supports_current_device()
-    expected = torch.cpu._is_amx_tile_supported() or quantized_fp8.avx512_fp8_capable()
+    expected = torch.cpu._is_amx_tile_supported() or quantized.avx512_vnni_bf16_capable()
     assert supported == expected
 
 
-def _two_rank_move(move_scales: bool):
-    """Two ranks of 5 slots (8 experts + 2 redundant), moved to a new placement payload by
-    payload; ``move_scales=False`` plants the bug: weights move, block scales stay."""
+def _moved_experts():
     *_, s13, s2, p13, p2 = _fp8_experts(4)
-    old = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 0, 1]])
-    new = torch.tensor([[3, 2, 4, 0, 6, 1, 5, 7, 2, 3]])
-    ranks = []
-    for rank in range(2):
-        experts = old[0, 5 * rank : 5 * rank + 5]
-        tensors = {
-            "w13": p13[experts].clone(), "w2": p2[experts].clone(),
-            "w13_scale": s13[experts].clone(), "w2_scale": s2[experts].clone(),
-        }  # fmt: skip
-        ranks.append(tensors)
-    logs = [DigestLog([tensors]) for tensors in ranks]
-    for log in logs:
-        log.record(0, old)
-    if move_scales:
-        views = [make_expert_view("cpu_fp8_block", tensors) for tensors in ranks]
-    else:
-        views = [
-            make_expert_view("strided_packed", {n: t[n] for n in ("w13", "w2")}, expert_dim=0)
-            for t in ranks
-        ]
-    payloads = {}
-    for slot in range(10):  # what the new placement needs, from a slot holding it now
-        source = int((old[0] == new[0, slot]).nonzero()[0])
-        payload = torch.empty(views[0].slot_nbytes, dtype=torch.uint8)
-        views[source // 5].pack_slot(source % 5, payload)
-        payloads[slot] = payload
-    for slot, payload in payloads.items():
-        views[slot // 5].unpack_slot_(slot % 5, payload)
-    for log in logs:
-        log.record(1, new)
-    documents = [{"rank": rank, "weight_digests": log.document()} for rank, log in enumerate(logs)]
-    return documents, int((old != new).sum())
+    return {"w13": p13, "w2": p2, "w13_scale": s13, "w2_scale": s2}
 
 
 def test_the_digest_check_passes_when_block_scales_move_with_their_weights():
-    documents, _ = _two_rank_move(move_scales=True)
-    checked, problems = check_slot_digests(documents)
-    assert checked == 2 and problems == []
+    assert problems_after_move(_moved_experts(), ("w13", "w2", "w13_scale", "w2_scale")) == []
 
 
 def test_a_planted_mismatch_block_scales_left_behind_fails_the_digest_check():
-    documents, changed = _two_rank_move(move_scales=False)
-    checked, problems = check_slot_digests(documents)
-    assert checked == 2
-    # every slot whose expert changed has the right weights next to another expert's scales
-    assert changed > 0 and len(problems) == changed, problems
+    """Weights move, block scales stay: every slot whose expert changed has the right weights next
+    to another expert's block scales."""
+    problems = problems_after_move(_moved_experts(), ("w13", "w2"))
+    assert len(problems) == CHANGED_SLOTS > 0, problems
 
 
 # -- real engines ---------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from eplb_graph.integrations.vllm import quantized, quantized_fp8, routing
+from eplb_graph.integrations.vllm import quantized, routing
 from eplb_graph.integrations.vllm.moe_model import UnsupportedVllmModel, moe_model
 from eplb_graph.integrations.vllm.runner import (
     GROUP_RING_SIZE,
@@ -56,14 +56,11 @@ def _weight_views(model) -> list:
         if quantized.format_of(kernel) is not None:
             views.append(quantized.weight_view(index, experts, kernel))
             continue
-        if quantized_fp8.is_fp8_experts(kernel):
-            views.append(quantized_fp8.weight_view(index, experts, kernel))
-            continue
         if not isinstance(kernel, CPUUnquantizedExperts):
             raise UnsupportedVllmModel(
                 f"MoE layer {index} runs {type(kernel).__name__}; eplb-graph moves the weights of "
                 "vLLM's unquantized CPU experts (bf16/fp32) and of its quantized CPU experts "
-                f"{[f.experts_class for f in quantized.FORMATS] + ['CPUExpertsFp8']} only"
+                f"{[f.experts_class for f in quantized.FORMATS]} only"
             )
         tensors = {"w13": experts.w13_weight.data, "w2": experts.w2_weight.data}
         for name in ("w13_bias", "w2_bias"):

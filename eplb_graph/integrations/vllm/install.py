@@ -21,7 +21,6 @@ from eplb_graph.integrations.vllm import (
     gpt_oss,
     llama4_loading,
     quantized,
-    quantized_fp8,
     routing,
 )
 from eplb_graph.integrations.vllm.logs import log_through_vllm
@@ -53,7 +52,6 @@ def install() -> None:
         expert_parallel.install()
         llama4_loading.install()
         quantized.install()
-        quantized_fp8.install()
         gpt_oss.install()
         _install_runner_hooks()
         closing.install()

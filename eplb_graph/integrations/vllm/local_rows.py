@@ -104,6 +104,26 @@ def _cpu_int4_w4a8(out, rows, weights, topk_weights, topk_ids, activation, isa, 
     )  # fmt: skip
 
 
+@register_kernel("cpu_fp8_block")
+def _cpu_fp8_block(out, rows, weights, topk_weights, topk_ids, activation, isa, on_input):
+    """vLLM's FP8 W8A16 CPU kernel (CPUExpertsFp8: packed fp8 weights, 128x128 block scales,
+    bf16 activations, SiLU-and-mul only)."""
+    from vllm._custom_ops import CPUQuantMethod, fused_experts_cpu
+
+    from eplb_graph.movement.views.cpu_fp8 import BLOCK
+
+    if on_input or activation != "silu":
+        raise LocalRowsError(
+            "the FP8 CPU kernel computes silu experts with the router weight on the output only "
+            f"(got activation {activation!r}, weight_on_input={on_input})"
+        )
+    w13, w2, w13_scale, w2_scale = weights
+    fused_experts_cpu(
+        out, rows, w13, w2, topk_weights, topk_ids, CPUQuantMethod.FP8_W8A16, w13_scale, w2_scale,
+        None, None, list(BLOCK), None, None, None, None, True,
+    )  # fmt: skip
+
+
 def _check(hidden, topk_ids, topk_weights, expert_map, stats, kernel) -> None:
     if kernel not in KERNELS:
         raise LocalRowsError(f"kernel {kernel!r} is not one of {sorted(KERNELS)}")

@@ -2,29 +2,31 @@
 
 Each entry of :data:`FORMATS` is one vLLM CPU experts class whose weights eplb-graph really
 moves, whole: W8A8 int8 (``CPUExpertsInt8``: vLLM's compressed-tensors W8A8 int8 method and
-online ``quantization="experts_int8"``) and W4A16 (``CPUExpertsInt4``: compressed-tensors
-``pack-quantized``, GPTQ and AWQ int4 groups). Three things stand between such a class and
-expert parallelism with EPLB, and each is fixed here, for the listed classes only:
+online ``quantization="experts_int8"``), W4A16 (``CPUExpertsInt4``: compressed-tensors
+``pack-quantized``, GPTQ and AWQ int4 groups) and FP8 with 128x128 blocks (``CPUExpertsFp8``:
+vLLM's per-block FP8 methods, W8A16). Three things stand between such a class and expert
+parallelism with EPLB, and each is fixed here, for the listed classes only:
 
 - **Local rows**: these classes' ``apply`` hands the kernel global slot ids and no expert map,
   so with expert parallelism it indexes past the rank's weights (a segfault in
   ``moe_align_block_size``). The wrapper calls ``torch.ops.eplb_graph.vllm_local_experts`` with
   the format's kernel instead: vLLM's own kernel on the rank's own rows.
-- **EPLB refusal**: the quantization methods say ``supports_eplb = False`` and vLLM raises
+- **EPLB refusal**: the int8 and int4 methods say ``supports_eplb = False`` and vLLM raises
   ``NotImplementedError`` when the layer is built. The listed methods now say ``True`` when (and
   only when) their experts are the listed class, whose weights, scales and zero points
-  :func:`weight_view` moves.
-- **Device gate**: vLLM offers both classes on x86 CPUs with AMX tiles only, though their kernel
-  (``fused_experts_cpu``, INT8_W8A8 and INT4_W4A8: int8 VNNI dot products either way) has an
-  AVX-512 path: on CPUs with AVX-512, VNNI and AVX-512-BF16 but no AMX (AMD EPYC, this
-  project's CI machines) vLLM otherwise has no int8 or int4 MoE backend at all. The gate is
-  opened there, with one INFO line; the tests check that path against dequantized references.
+  :func:`weight_view` moves (vLLM's FP8 methods already say ``True``).
+- **Device gate**: vLLM offers the three classes on x86 CPUs with AMX tiles only, though their
+  kernel (``fused_experts_cpu``: INT8_W8A8, INT4_W4A8, FP8_W8A16) has an AVX-512 path: on CPUs
+  with AVX-512, VNNI and AVX-512-BF16 but no AMX (AMD EPYC, this project's CI machines) vLLM
+  otherwise has no int8, int4 or FP8 MoE backend at all. The gate is opened there, with one INFO
+  line per class and process; the tests check that path against dequantized references.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +34,7 @@ import torch
 from eplb_graph.integrations.vllm import compat
 from eplb_graph.integrations.vllm.local_rows import vllm_local_experts
 from eplb_graph.movement.views import ExpertWeightView, make_expert_view
+from eplb_graph.movement.views.cpu_fp8 import BLOCK
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +62,7 @@ class QuantizedExperts:
     device: compat.PatchTarget
     supports_eplb: tuple[compat.PatchTarget, ...]
     tensors: tuple[tuple[str, str, tuple[str, ...]], ...]
+    problem: Callable[[object], str | None] = lambda kernel: None
 
     def experts_type(self) -> type:
         from vllm.model_executor.layers.fused_moe.experts import cpu_moe
@@ -92,11 +96,46 @@ INT4 = QuantizedExperts(
         ("w2_zp", "w2_zp", ("w2_weight_zero_point", "w2_qzeros")),
     ),
 )
-FORMATS = (INT8, INT4)
 
 
-def avx512_int8_capable() -> bool:
-    """Whether this CPU runs the int8 kernels' AVX-512 path (VNNI dot products, bf16 I/O)."""
+def fp8_block_shape(kernel) -> tuple[int, ...] | None:
+    """The weight block an FP8 kernel is told, found as ``CPUExpertsFp8.apply`` finds it (the
+    config's ``block_shape``, else its w1 group shape)."""
+    config = kernel.quant_config
+    if config.block_shape:
+        return tuple(config.block_shape)
+    shape = config._w1.shape
+    return None if shape is None else (shape.row, shape.col)
+
+
+def _fp8_block_problem(kernel) -> str | None:
+    block = fp8_block_shape(kernel)
+    if block == BLOCK:
+        return None
+    return (
+        f"the FP8 CPU experts use {block} blocks; eplb-graph moves and computes "
+        f"{BLOCK[0]}x{BLOCK[1]}-block FP8 experts only"
+    )
+
+
+FP8 = QuantizedExperts(
+    experts_class="CPUExpertsFp8",
+    kernel="cpu_fp8_block",
+    view_format="cpu_fp8_block",
+    apply=compat.CPU_FP8_EXPERTS_APPLY,
+    device=compat.CPU_FP8_EXPERTS_DEVICE,
+    supports_eplb=(),
+    tensors=(
+        ("w13_scale", "w1_scale", ("w13_weight_scale_inv",)),
+        ("w2_scale", "w2_scale", ("w2_weight_scale_inv",)),
+    ),
+    problem=_fp8_block_problem,
+)
+FORMATS = (INT8, INT4, FP8)
+
+
+def avx512_vnni_bf16_capable() -> bool:
+    """Whether this CPU runs the quantized kernels' AVX-512 path (VNNI dot products, bf16 I/O)."""
     cpu = torch.cpu
     return bool(
         cpu._is_avx512_supported() and cpu._is_vnni_supported() and cpu._is_avx512_bf16_supported()
@@ -132,6 +171,9 @@ def _install_apply(experts: QuantizedExperts) -> None:
                 global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
                 expert_tokens_meta, apply_router_weight_on_input,
             )  # fmt: skip
+        reason = experts.problem(self)
+        if reason is not None:
+            raise QuantizedLayerError(reason)
         stats = getattr(self, "eplb_stats", None)
         output.copy_(
             vllm_local_experts(
@@ -166,17 +208,23 @@ def _install_device_gate(experts: QuantizedExperts) -> None:
         if not (
             current_platform.is_cpu()
             and current_platform.get_cpu_architecture() == CpuArchEnum.X86
-            and avx512_int8_capable()
+            and avx512_vnni_bf16_capable()
         ):
             return False
-        logger.info(
-            "eplb-graph: %s runs its kernel's AVX-512 path on this CPU (no AMX tiles; vLLM "
-            "offers it with AMX only)",
-            experts.experts_class,
-        )
+        _announce_avx512(experts.experts_class)
         return True
 
     setattr(owner, name, staticmethod(supported_with_avx512))
+
+
+@functools.cache
+def _announce_avx512(experts_class: str) -> None:
+    """The gate is asked at every backend choice: say it once per class and process."""
+    logger.info(
+        "eplb-graph: %s runs its kernel's AVX-512 path on this CPU (no AMX tiles; vLLM offers "
+        "it with AMX only)",
+        experts_class,
+    )
 
 
 def _install_supports_eplb(experts: QuantizedExperts, method: compat.PatchTarget) -> None:
@@ -208,6 +256,9 @@ def weight_view(index: int, layer, kernel) -> ExpertWeightView:
             f"MoE layer {index}: {type(kernel).__name__} is not one of the quantized experts "
             f"eplb-graph moves ({', '.join(f.experts_class for f in FORMATS)})"
         )
+    reason = experts.problem(kernel)
+    if reason is not None:
+        raise QuantizedLayerError(f"MoE layer {index}: {reason}")
     tensors = {"w13": layer.w13_weight.data, "w2": layer.w2_weight.data}
     for ours, theirs, candidates in experts.tensors:
         read = getattr(kernel, theirs, None)
