@@ -68,60 +68,43 @@ def _cpu_fused_moe(out, rows, weights, topk_weights, topk_ids, activation, isa, 
     )
 
 
-@register_kernel("cpu_int8_w8a8")
-def _cpu_int8_w8a8(out, rows, weights, topk_weights, topk_ids, activation, isa, on_input):
-    """vLLM's W8A8 int8 CPU kernel (CPUExpertsInt8: VNNI-packed int8 weights, per-channel
-    scales, dynamic per-token int8 activations, SiLU-and-mul only)."""
-    from vllm._custom_ops import CPUQuantMethod, fused_experts_cpu
+def _register_fused_experts_cpu(name: str, method: str, label: str, block: bool) -> None:
+    """One of vLLM's quantized CPU kernels (``fused_experts_cpu``), SiLU-and-mul experts with
+    the router weight on the output only. ``weights``: ``[w13, w2, w13_scale, w2_scale]`` and,
+    for int4, ``w13_zp, w2_zp``; ``block``: FP8's 128x128 weight blocks.
 
-    if on_input or activation != "silu":
-        raise LocalRowsError(
-            "the int8 CPU kernel computes silu experts with the router weight on the output only "
-            f"(got activation {activation!r}, weight_on_input={on_input})"
-        )
-    w13, w2, w13_scale, w2_scale = weights
-    fused_experts_cpu(
-        out, rows, w13, w2, topk_weights, topk_ids, CPUQuantMethod.INT8_W8A8, w13_scale, w2_scale,
-        None, None, None, None, None, None, None, True,
-    )  # fmt: skip
+    - ``cpu_int8_w8a8`` (CPUExpertsInt8): VNNI-packed int8, per-channel scales, int8 tokens;
+    - ``cpu_int4_w4a8`` (CPUExpertsInt4): blocked int4 groups with scales and zero points;
+    - ``cpu_fp8_block`` (CPUExpertsFp8): packed fp8, 128x128 block scales, bf16 activations.
+    """
 
+    def call(out, rows, weights, topk_weights, topk_ids, activation, isa, on_input):
+        from vllm._custom_ops import CPUQuantMethod, fused_experts_cpu
 
-@register_kernel("cpu_int4_w4a8")
-def _cpu_int4_w4a8(out, rows, weights, topk_weights, topk_ids, activation, isa, on_input):
-    """vLLM's W4A16 CPU kernel (CPUExpertsInt4: int4 group weights blocked with their scales
-    and zero points, activations quantized to int8 per token inside, SiLU-and-mul only)."""
-    from vllm._custom_ops import CPUQuantMethod, fused_experts_cpu
+        from eplb_graph.movement.views.cpu_fp8 import BLOCK
 
-    if on_input or activation != "silu":
-        raise LocalRowsError(
-            "the int4 CPU kernel computes silu experts with the router weight on the output only "
-            f"(got activation {activation!r}, weight_on_input={on_input})"
-        )
-    w13, w2, w13_scale, w2_scale, w13_zp, w2_zp = weights
-    fused_experts_cpu(
-        out, rows, w13, w2, topk_weights, topk_ids, CPUQuantMethod.INT4_W4A8, w13_scale, w2_scale,
-        w13_zp, w2_zp, None, None, None, None, None, True,
-    )  # fmt: skip
+        if on_input or activation != "silu":
+            raise LocalRowsError(
+                f"the {label} CPU kernel computes silu experts with the router weight on the "
+                f"output only (got activation {activation!r}, weight_on_input={on_input})"
+            )
+        w13, w2, w13_scale, w2_scale, *zero_points = weights
+        w13_zp, w2_zp = zero_points or (None, None)
+        fused_experts_cpu(
+            out, rows, w13, w2, topk_weights, topk_ids, getattr(CPUQuantMethod, method),
+            w13_scale, w2_scale, w13_zp, w2_zp, list(BLOCK) if block else None,
+            None, None, None, None, True,
+        )  # fmt: skip
+
+    register_kernel(name)(call)
 
 
-@register_kernel("cpu_fp8_block")
-def _cpu_fp8_block(out, rows, weights, topk_weights, topk_ids, activation, isa, on_input):
-    """vLLM's FP8 W8A16 CPU kernel (CPUExpertsFp8: packed fp8 weights, 128x128 block scales,
-    bf16 activations, SiLU-and-mul only)."""
-    from vllm._custom_ops import CPUQuantMethod, fused_experts_cpu
-
-    from eplb_graph.movement.views.cpu_fp8 import BLOCK
-
-    if on_input or activation != "silu":
-        raise LocalRowsError(
-            "the FP8 CPU kernel computes silu experts with the router weight on the output only "
-            f"(got activation {activation!r}, weight_on_input={on_input})"
-        )
-    w13, w2, w13_scale, w2_scale = weights
-    fused_experts_cpu(
-        out, rows, w13, w2, topk_weights, topk_ids, CPUQuantMethod.FP8_W8A16, w13_scale, w2_scale,
-        None, None, list(BLOCK), None, None, None, None, True,
-    )  # fmt: skip
+for _name, _method, _label, _block in (
+    ("cpu_int8_w8a8", "INT8_W8A8", "int8", False),
+    ("cpu_int4_w4a8", "INT4_W4A8", "int4", False),
+    ("cpu_fp8_block", "FP8_W8A16", "FP8", True),
+):
+    _register_fused_experts_cpu(_name, _method, _label, _block)
 
 
 def _check(hidden, topk_ids, topk_weights, expert_map, stats, kernel) -> None:

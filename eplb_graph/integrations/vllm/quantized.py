@@ -171,7 +171,7 @@ def _install_apply(experts: QuantizedExperts) -> None:
                 global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
                 expert_tokens_meta, apply_router_weight_on_input,
             )  # fmt: skip
-        reason = experts.problem(self)
+        reason = _problem_once(experts, self)
         if reason is not None:
             raise QuantizedLayerError(reason)
         stats = getattr(self, "eplb_stats", None)
@@ -192,6 +192,16 @@ def _install_apply(experts: QuantizedExperts) -> None:
         return None
 
     setattr(owner, name, apply_on_local_rows)
+
+
+def _problem_once(experts: QuantizedExperts, kernel) -> str | None:
+    """``experts.problem(kernel)``, asked on the first forward only: a kernel's configuration
+    does not change while it serves, and ``apply`` runs every layer of every step."""
+    try:
+        return kernel._eplb_graph_problem
+    except AttributeError:
+        kernel._eplb_graph_problem = experts.problem(kernel)
+        return kernel._eplb_graph_problem
 
 
 def _install_device_gate(experts: QuantizedExperts) -> None:
