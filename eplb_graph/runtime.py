@@ -100,6 +100,9 @@ class EplbRuntime:
             state.num_ranks,
             dict(control.policy_options),
             control.min_gain_percent,
+            rearrange=control.rearrange,
+            max_replicas=state.max_replicas,
+            step_interval=control.step_interval,
         )
         slot_nbytes = max(view.slot_nbytes for view in self.views)
         slots_per_rank = state.num_slots // state.num_ranks
@@ -160,7 +163,9 @@ class EplbRuntime:
     def begin_step(self, *, has_prefill: bool, num_valid_tokens: int) -> list[int]:
         """Before the forward; returns the layers committed now (always empty in sync mode)."""
         committed = self.scheduler.begin_step() if self.scheduler is not None else []
-        self.controller.begin_step(has_prefill=has_prefill, num_valid_tokens=num_valid_tokens)
+        self.controller.begin_step(
+            has_prefill=has_prefill, num_valid_tokens=num_valid_tokens, in_flight=self.busy
+        )
         return committed
 
     def end_step(self) -> None:

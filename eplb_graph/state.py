@@ -137,11 +137,13 @@ class EplbState:
         self.num_valid_tokens = torch.zeros((), dtype=torch.int64, device=device)
         seed = rank if offset_seed is None else offset_seed
         self.offset = torch.full((), seed & _LOW32, dtype=torch.int64, device=device)
-        # Per layer: [(token, k) rows computed, ns spent] by this rank's expert op, accumulated by
-        # the op itself (torch.ops.eplb_graph.local_experts*: ``stats=expert_stats[layer]``) so
-        # a compiled graph's expert time is read host-side between replays, as per-step deltas.
+        # Per layer: [(token, k) rows computed, ns spent, active slots] by this rank's expert op,
+        # accumulated by the op itself (torch.ops.eplb_graph.local_experts*:
+        # ``stats=expert_stats[layer]``) so a compiled graph's expert time is read host-side
+        # between replays, as per-step deltas; the active slots (slots that computed a row, per
+        # call) are what the expert cost model needs besides rows (control/cost_model.py).
         # Never reset inside a graph; not a routing table, so not in graph_tensors().
-        self.expert_stats = torch.zeros(num_layers, 2, dtype=torch.int64, device=device)
+        self.expert_stats = torch.zeros(num_layers, 3, dtype=torch.int64, device=device)
         for tensor in (*self.graph_tensors().values(), self.expert_stats):
             torch._dynamo.mark_static_address(tensor, guard=False)
 

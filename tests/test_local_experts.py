@@ -244,7 +244,7 @@ def test_fullgraph_compile_no_break_no_recompile_on_in_place_changes():
         (lambda a: a.update(w2=a["w2"][:, :-1]), "w2 should have shape"),
         (lambda a: a.update(w2=a["w2"].bfloat16()), "w2 should have hidden's dtype"),
         (
-            lambda a: a.update(stats=torch.zeros(3, dtype=torch.int64)),
+            lambda a: a.update(stats=torch.zeros(4, dtype=torch.int64)),
             "stats should be a 1d tensor [2]",
         ),
         (lambda a: a.update(stats=torch.zeros(2, dtype=torch.int32)), "stats should be int64"),

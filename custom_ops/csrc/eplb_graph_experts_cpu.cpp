@@ -12,8 +12,10 @@
 // EPLB-on and EPLB-off runs stay bit-identical, whatever replica served a token. Rows are visited
 // expert by expert, so an expert's weights stay in cache across its rows.
 //
-// stats[0] += rows computed, stats[1] += nanoseconds spent (steady clock), so a compiled graph's
-// expert time can be read host-side between replays without a graph break.
+// stats[0] += rows computed, stats[1] += nanoseconds spent (steady clock), and where stats has a
+// third cell, stats[2] += local experts that computed at least one row (each one's weights are
+// read), so a compiled graph's expert time and what drives it can be read host-side between
+// replays without a graph break.
 //
 // The schemas are defined from Python (eplb_graph/ops/registration.py); eplb_graph/ops/reference.py
 // is the oracle (the same formula computed densely with ATen).
@@ -167,8 +169,10 @@ void check_common(const at::Tensor& hidden, const at::Tensor& slots, const at::T
                   w13.size(1) % 2 == 0 && w2.size(0) == w13.size(0) &&
                   w2.size(1) == hidden.size(1) && w2.size(2) == w13.size(1) / 2,
               "local_experts: w13 should be [E, 2I, H] and w2 [E, H, I]");
-  TORCH_CHECK(stats.dim() == 1 && stats.size(0) == 2 && stats.scalar_type() == at::kLong,
-              "local_experts: stats should be a 1d int64 tensor [2] (rows, ns)");
+  TORCH_CHECK(stats.dim() == 1 && (stats.size(0) == 2 || stats.size(0) == 3) &&
+                  stats.scalar_type() == at::kLong,
+              "local_experts: stats should be a 1d int64 tensor [2] (rows, ns) or [3] (rows, ns, "
+              "active slots)");
 }
 
 // The shared driver: collect local rows, compute each (in parallel, expert by expert), then sum a
@@ -207,6 +211,11 @@ at::Tensor run(const at::Tensor& hidden, const at::Tensor& slots, const at::Tens
   counters[0] += computed;
   counters[stats.stride(0)] +=
       std::chrono::duration_cast<std::chrono::nanoseconds>(elapsed).count();
+  if (stats.size(0) == 3) {
+    int64_t active = 0;
+    for (int64_t e = 0; e < experts; ++e) active += local.starts[e + 1] > local.starts[e];
+    counters[2 * stats.stride(0)] += active;
+  }
   return hidden.scalar_type() == at::kFloat ? sum : sum.to(hidden.scalar_type());
 }
 

@@ -18,10 +18,12 @@ outside ``load_collection_phase`` only records nothing.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import torch
 
+from eplb_graph.control.feedback import ServingFeedback
 from eplb_graph.control.phases import BatchPhase
 from eplb_graph.control.settings import ControlSettings
 from eplb_graph.control.window import (
@@ -84,6 +86,11 @@ class EplbController:
         self.last_logged_balancedness: float | None = None
         self._recording = False
         self._phase: BatchPhase | None = None
+        # What serving measured (step times, expert-op samples, movement cost) for the planner.
+        self.feedback = ServingFeedback(state.expert_stats)
+        self._step_started = 0.0
+        self._in_flight = False
+        self._num_valid_tokens = 0
 
     # -- per step --------------------------------------------------------------------------------
     def recording_due(self) -> bool:
@@ -92,8 +99,17 @@ class EplbController:
             return True
         return self.steps_to_rearrangement <= self.settings.effective_window_size
 
-    def begin_step(self, *, has_prefill: bool, num_valid_tokens: int) -> None:
-        """Before the forward: decide the batch phase once, set the graph's step inputs."""
+    def begin_step(
+        self, *, has_prefill: bool, num_valid_tokens: int, in_flight: bool = False
+    ) -> None:
+        """Before the forward: decide the batch phase once, set the graph's step inputs.
+
+        ``in_flight``: a rearrangement is under way (asynchronous), so this step's time is
+        partly its cost, not the placement's.
+        """
+        self._step_started = time.perf_counter()
+        self._in_flight = in_flight
+        self._num_valid_tokens = num_valid_tokens
         self._phase = BatchPhase.of_batch(has_prefill)
         collects = self.settings.load_collection_phase.collects(self._phase)
         self._recording = self.record_load and collects and self.recording_due()
@@ -104,7 +120,14 @@ class EplbController:
         """After the forward: fold the load pass into the window; close it when due."""
         if self._phase is None:
             raise RuntimeError("end_step() called without begin_step()")
-        _, placement = self.state.committed_snapshot()
+        version, placement = self.state.committed_snapshot()
+        self.feedback.step(
+            step_us=int(1e6 * (time.perf_counter() - self._step_started)),
+            tokens=self._num_valid_tokens,
+            decode=self._phase is BatchPhase.DECODE,
+            in_flight=self._in_flight,
+            version=version,
+        )
         self.window.fold_pass_(self.state.load, placement, self._recording)
         self._phase = None
         self.step += 1
@@ -142,9 +165,13 @@ class EplbController:
             )
 
     def _close_window(self) -> None:
-        _, committed = self.state.committed_snapshot()
+        version, committed = self.state.committed_snapshot()
         self.windows_closed += 1
-        self.on_window_closed(self._snapshots.take(self.step, committed))
+        feedback = self.feedback.take(self.window.recorded_steps())
+        started = time.perf_counter()
+        self.on_window_closed(self._snapshots.take(self.step, committed, feedback))
+        if self.state.placement_version != version:  # moved inline (synchronous)
+            self.feedback.moved_inline(int(1e6 * (time.perf_counter() - started)))
 
     # -- monitoring --------------------------------------------------------------------------
     def snapshot(self) -> dict:

@@ -12,11 +12,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from eplb_graph.control.payback import PaybackGate
 from eplb_graph.control.window import WindowLoad
 from eplb_graph.policy import expert_hotness, get_policy, rebalance
 from eplb_graph.policy.metrics import balancedness_of_slots, rank_load
 
 HISTORY_OPTION = "previous_weight"
+REARRANGE_MODES = ("always", "when_it_pays")
+"""``always``: apply every plan that differs (and clears ``min_gain_percent``), as upstream EPLB
+does. ``when_it_pays``: apply a plan only when the cost model predicts it repays its move, and
+undo one that made steps slower (:mod:`eplb_graph.control.payback`)."""
 
 
 @dataclass
@@ -33,6 +38,10 @@ class PolicyPlanner:
     busiest rank), by less than that share of the window's load: a rearrangement costs movement
     and stalls, and one that buys almost nothing (a balanced load, noise) never repays them.
 
+    ``rearrange="when_it_pays"`` hands the decision to a :class:`PaybackGate` (the policy's plan
+    is one candidate; the placement packed by predicted time is another), which needs
+    ``max_replicas`` (the lookup width) and ``step_interval`` (the horizon a plan must repay in).
+
     A policy that takes a ``previous_weight`` keyword (``churn_aware``) also gets the load of the
     window this planner saw before, so it can measure how much popularity drifts between
     rebalances and hedge against it. The planner owns that history: the option cannot be set.
@@ -47,6 +56,10 @@ class PolicyPlanner:
     num_ranks: int
     options: dict = field(default_factory=dict)
     min_gain_percent: int = 0
+    rearrange: str = "always"
+    max_replicas: int | None = None
+    step_interval: int = 3000
+    gate: PaybackGate | None = field(default=None, init=False, repr=False)
     _takes_history: bool = field(default=False, init=False, repr=False)
     _latest_step: int | None = field(default=None, init=False, repr=False)
     _latest: torch.Tensor | None = field(default=None, init=False, repr=False)
@@ -58,6 +71,16 @@ class PolicyPlanner:
             raise TypeError(
                 f"{HISTORY_OPTION!r} is supplied by the planner (the previous window's load); "
                 "remove it from the policy options"
+            )
+        if self.rearrange not in REARRANGE_MODES:
+            raise ValueError(f"rearrange must be one of {REARRANGE_MODES}, got {self.rearrange!r}")
+        if self.rearrange == "when_it_pays":
+            self.gate = PaybackGate(
+                self.num_ranks,
+                self.num_replicas,
+                self.max_replicas or self.num_replicas,
+                self.step_interval,
+                self.min_gain_percent,
             )
         signature = inspect.signature(policy).parameters
         self._takes_history = HISTORY_OPTION in signature
@@ -87,6 +110,9 @@ class PolicyPlanner:
             **self.options,
             **history,
         )
+        if self.gate is not None:
+            same = torch.equal(new_phy2log, load.committed)
+            return self.gate.decide(load, None if same else new_phy2log)
         if torch.equal(new_phy2log, load.committed):
             return None
         if (

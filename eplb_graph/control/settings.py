@@ -31,6 +31,11 @@ class ControlSettings:
     layers: what a step waits for) by at least this many percent. 0 = apply every plan that
     differs, as upstream EPLB does; a few percent stops rearranging on noise, which costs
     movement and gains nothing (see :class:`PolicyPlanner`)."""
+    rearrange: str = "always"
+    """``always``: apply every plan that differs (upstream's behaviour). ``when_it_pays``: apply
+    a plan only when the expert cost model, fitted on the running engine, predicts its saving
+    over the next interval exceeds its movement cost, and undo a plan whose measured step time
+    got worse (``eplb_graph.control.payback``)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -50,6 +55,10 @@ class ControlSettings:
             raise SettingsError(
                 f"min_gain_percent must be 0-99 (a plan cannot cut the load by 100% or more), "
                 f"got {self.min_gain_percent}"
+            )
+        if self.rearrange not in ("always", "when_it_pays"):
+            raise SettingsError(
+                f"rearrange must be 'always' or 'when_it_pays', got {self.rearrange!r}"
             )
         as_flag("log_balancedness", self.log_balancedness, error=SettingsError)
         if not isinstance(self.policy, str) or not self.policy:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from eplb_graph.control.feedback import FEEDBACK_SIZE, WindowFeedback, empty_feedback
+
 LoadReducer = Callable[[torch.Tensor], torch.Tensor]
 """Sums a CPU tensor across EP ranks (in place or not) and returns the sum; one collective."""
 
@@ -85,6 +87,10 @@ class LoadWindow:
         self.cursor = (self.cursor + 1) % self.window_size
         self.steps_seen += 1
 
+    def recorded_steps(self) -> int:
+        """Rows of the ring that hold a recorded step (the others were zeroed)."""
+        return sum(placement is not None for placement in self._placements)
+
     def chronological_rows(self) -> list[int]:
         """Row indices from oldest to newest among the rows written so far."""
         filled = min(self.steps_seen, self.window_size)
@@ -151,6 +157,7 @@ class WindowSnapshot:
     committed: torch.Tensor  # [L, P] phy2log live at the close
     still_valid: Callable[[], bool] = lambda: True
     ready: object | None = None  # device event recorded after the copy (None on CPU)
+    feedback: torch.Tensor | None = None  # this rank's serving figures (control/feedback.py)
 
     def copy_rows(self) -> torch.Tensor | None:
         """The rows on the host; ``None`` if the buffer was reused meanwhile (a seqlock: the
@@ -174,7 +181,9 @@ class SnapshotBuffers:
         self._versions = [0, 0]
         self._closes = 0
 
-    def take(self, step: int, committed: torch.Tensor) -> WindowSnapshot:
+    def take(
+        self, step: int, committed: torch.Tensor, feedback: torch.Tensor | None = None
+    ) -> WindowSnapshot:
         """Snapshot the window into the next buffer (in place, no host sync)."""
         index = self._closes % 2
         self._closes += 1
@@ -189,7 +198,7 @@ class SnapshotBuffers:
         def still_valid() -> bool:
             return self._versions[index] == version
 
-        return WindowSnapshot(step, rows, placements, committed, still_valid, ready)
+        return WindowSnapshot(step, rows, placements, committed, still_valid, ready, feedback)
 
 
 @dataclass(frozen=True)
@@ -200,6 +209,7 @@ class WindowLoad:
     logical: torch.Tensor  # [S, L, N] int64, oldest time bucket first
     physical: torch.Tensor  # [L, P] int64, summed over the window
     committed: torch.Tensor  # [L, P] phy2log the window is planned against
+    feedback: WindowFeedback | None = None  # serving figures summed over ranks (None: none)
 
 
 def reduce_window(
@@ -224,13 +234,20 @@ def reduce_window(
     try:
         logical = fold_to_logical(rows, snapshot.placements, num_logical, time_samples)
         physical = rows.sum(dim=0).to("cpu", torch.int64)
-        packed = torch.cat([logical.reshape(-1), physical.reshape(-1)])
+        feedback = snapshot.feedback if snapshot.feedback is not None else empty_feedback()
+        packed = torch.cat([logical.reshape(-1), physical.reshape(-1), feedback.to(torch.int64)])
     except Exception as error:  # still take part in the collective
         failure = error
-        packed = torch.zeros(logical_size + num_layers * num_slots, dtype=torch.int64)
+        packed = torch.zeros(
+            logical_size + num_layers * num_slots + FEEDBACK_SIZE, dtype=torch.int64
+        )
     packed = reduce(packed)
     if failure is not None:
         raise failure
     logical = packed[:logical_size].view(buckets, num_layers, num_logical)
-    physical = packed[logical_size:].view(num_layers, num_slots)
-    return WindowLoad(snapshot.step, logical, physical, committed)
+    physical = packed[logical_size : logical_size + num_layers * num_slots]
+    summed = packed[logical_size + num_layers * num_slots :]
+    feedback = WindowFeedback.parse(summed) if int(summed[0]) > 0 else None
+    return WindowLoad(
+        snapshot.step, logical, physical.view(num_layers, num_slots), committed, feedback
+    )

@@ -371,8 +371,9 @@ def _check_expert_weights(
 
 def _check_expert_stats(op: str, stats: torch.Tensor, num_valid_tokens: torch.Tensor) -> None:
     _check(
-        stats.dim() == 1 and stats.shape[0] == 2,
-        f"{op}: stats should be a 1d tensor [2] (rows, ns), got {list(stats.shape)}",
+        stats.dim() == 1 and stats.shape[0] in (2, 3),
+        f"{op}: stats should be a 1d tensor [2] (rows, ns) or [3] (rows, ns, active slots), "
+        f"got {list(stats.shape)}",
     )
     _check(stats.dtype == torch.int64, f"{op}: stats should be int64, got {stats.dtype}")
     _check(stats.stride(0) != 0, f"{op}: stats should be two memory cells, got a stride-0 view")

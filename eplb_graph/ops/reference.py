@@ -216,9 +216,16 @@ def _combine_experts(hidden, slots, topk_weights, slot_to_local, stats, num_vali
             else:
                 contribution = dense * w
             out = out + torch.where(mine, contribution, torch.zeros_like(contribution))
-    # The reference cannot time itself without a host sync: it counts rows and adds 0 ns.
+    # The reference cannot time itself without a host sync: it counts rows (and active local
+    # experts, where stats has that cell) and adds 0 ns.
     rows = computed.sum().to(torch.int64)
-    stats.add_(torch.stack([rows, torch.zeros_like(rows)]))
+    counts = [rows, torch.zeros_like(rows)]
+    if stats.shape[0] == 3:
+        used = torch.zeros(num_experts + 1, dtype=torch.int64, device=hidden.device)
+        used.index_add_(0, torch.where(computed, local, num_experts).reshape(-1).long(),
+                        torch.ones_like(local, dtype=torch.int64).reshape(-1))  # fmt: skip
+        counts.append((used[:num_experts] > 0).sum().to(torch.int64))
+    stats.add_(torch.stack(counts))
     return out.to(hidden.dtype)
 
 

@@ -13,8 +13,8 @@ data-dependent work inside. Its CPU implementation keeps the ``M`` (token, k) ro
 local, gathers them into ``[M, H]`` with top-1 ids and weights, runs vLLM's own kernel on just
 those rows (reading the very tensors the plugin's weight views move: vLLM's prepacked layout),
 and adds them back into ``[T, H]``. It times itself into the layer's ``stats`` row
-(``EplbState.expert_stats[layer]``: rows, nanoseconds), which is how per-rank expert time is
-measured inside compiled graphs.
+(``EplbState.expert_stats[layer]``: rows, nanoseconds, active local slots), which is how
+per-rank expert time, and what drives it, is measured inside compiled graphs.
 
 The one place that knows how to call an experts class's kernel on compacted rows is
 :data:`KERNELS`: add an entry (``register_kernel``) for another vLLM CPU kernel (int8, ...) and
@@ -122,8 +122,11 @@ def _check(hidden, topk_ids, topk_weights, expert_map, stats, kernel) -> None:
         )
     if expert_map.dim() != 1:
         raise LocalRowsError(f"expert_map must be [P], got shape {tuple(expert_map.shape)}")
-    if stats.dtype != torch.int64 or tuple(stats.shape) != (2,):
-        raise LocalRowsError(f"stats must be int64 [2], got {stats.dtype} {tuple(stats.shape)}")
+    if stats.dtype != torch.int64 or tuple(stats.shape) not in ((2,), (3,)):
+        raise LocalRowsError(
+            f"stats must be int64 [2] (rows, ns) or [3] (rows, ns, active slots), got "
+            f"{stats.dtype} {tuple(stats.shape)}"
+        )
 
 
 def local_experts_cpu(
@@ -137,6 +140,7 @@ def local_experts_cpu(
     local = expert_map.index_select(0, topk_ids.reshape(-1).long())
     flat = torch.nonzero(local >= 0).squeeze(1)  # (token, k) rows this rank holds, t-major
     rows = flat.numel()
+    active = 0
     accumulate = torch.float32 if hidden.dtype != torch.float32 else hidden.dtype
     out = torch.zeros(num_tokens, hidden.shape[1], dtype=accumulate, device=hidden.device)
     if rows:
@@ -153,8 +157,12 @@ def local_experts_cpu(
             weight_on_input,
         )
         out.index_add_(0, tokens, partial.to(accumulate))
+        if stats.shape[0] == 3:
+            active = int(torch.unique(local.index_select(0, flat)).numel())
     stats[0] += rows
     stats[1] += time.perf_counter_ns() - started
+    if stats.shape[0] == 3:
+        stats[2] += active
     return out.to(hidden.dtype)
 
 

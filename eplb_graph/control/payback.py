@@ -1,0 +1,227 @@
+"""``rearrange="when_it_pays"``: a plan is applied only if it repays its cost, and undone if it
+made steps slower.
+
+EPLB exists to make the busiest rank's step shorter. A rearrangement costs serving time (weights
+staged, exchanged and installed while steps run, or inside one step when synchronous) and pays
+back only in the steps after it. So, at every window close (identically on every rank: all the
+inputs are sums from the window reduction):
+
+1. **judge the last plan first.** Once the placement it installed has served enough decode steps,
+   its mean step time is compared with the mean under the placement before it (at a comparable
+   batch). Slower by more than :data:`SLOWER_TOLERANCE`: the old placement is planned back (a
+   rollback), and every later plan must repay twice as much (up to :data:`MAX_MARGIN`). No new
+   plan is made while the last one is still being judged;
+2. **predict.** Fit the expert cost model from the serving samples
+   (:class:`~eplb_graph.control.cost_model.ExpertCostModel`), and predict the busiest rank's
+   expert time per step of the committed placement, of the configured policy's plan and of the
+   placement packed by predicted time (:func:`~eplb_graph.policy.predicted_time
+   .pack_by_predicted_time`), under the window's average load per step;
+3. **repay.** The fastest candidate is applied only if its predicted saving over the next
+   interval exceeds the cost of the experts it moves across ranks: the measured cost per moved
+   copy of the rearrangements so far (what their in-flight steps took beyond the idle mean), or,
+   before any was measured, :data:`PRIOR_COPY_READS` weight reads per copy.
+
+Every decision is kept (newest :data:`KEPT`) with its figures, for the metrics files.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from eplb_graph.control.cost_model import ExpertCostModel, predict_rank_us
+from eplb_graph.control.window import WindowLoad
+from eplb_graph.policy.predicted_time import pack_by_predicted_time
+from eplb_graph.policy.preserve import preserve_slots, relabel_ranks, transfers_needed
+
+__all__ = ["PaybackGate"]
+
+SLOWER_TOLERANCE = 0.03
+"""A placement whose mean decode step is more than 3% slower than the one before it is undone
+(less than that is within what two identical placements differ by on a busy host)."""
+MIN_JUDGED_STEPS = 8
+"""Decode steps needed on each side before a plan is judged."""
+COMPARABLE_TOKENS = 0.2
+"""The two sides' mean tokens per step may differ by this share; beyond, no verdict."""
+PRIOR_COPY_READS = 20.0
+"""Before any rearrangement was measured, moving one expert copy is taken to cost as much
+serving time as 20 of its weight reads by the kernel (staged, sent, received and installed:
+several passes over its bytes, plus the bookkeeping)."""
+MAX_MARGIN = 8.0
+KEPT = 16
+
+
+@dataclass
+class _Pending:
+    plan: torch.Tensor
+    before: torch.Tensor
+    epoch: int
+    rollback: bool
+
+
+@dataclass
+class PaybackGate:
+    """The decision maker of ``rearrange="when_it_pays"`` (see the module docstring).
+
+    Args:
+        num_ranks, num_slots: the cluster shape.
+        max_replicas: lookup width ``R`` (no candidate gives an expert more copies).
+        step_interval: steps between window closes: the horizon a plan must repay within.
+        min_gain_percent: additionally, the predicted busiest-rank time must fall by this share.
+    """
+
+    num_ranks: int
+    num_slots: int
+    max_replicas: int
+    step_interval: int
+    min_gain_percent: int = 0
+    model: ExpertCostModel | None = None
+    margin: float = 1.0
+    decisions: deque = field(default_factory=lambda: deque(maxlen=KEPT))
+    counts: dict = field(
+        default_factory=lambda: {"applied": 0, "kept": 0, "rollbacks": 0, "judged_kept": 0}
+    )
+    copy_us: float | None = None
+    predicted_rank_ms: list | None = None
+    _pending: _Pending | None = None
+    _copies_applied: int = 0
+
+    def decide(self, load: WindowLoad, policy_plan: torch.Tensor | None) -> torch.Tensor | None:
+        """The placement to move to, or ``None`` to keep the committed one."""
+        feedback = load.feedback
+        if feedback is None:
+            return self._keep(load, "no serving feedback in this window")
+        self.model = ExpertCostModel.fit(feedback.moments) or self.model
+        self._update_copy_cost(feedback)
+        steps = feedback.steps_per_rank
+        per_step = load.logical.sum(dim=0).to(torch.float64) / steps if steps else None
+        if self.model is not None and per_step is not None:
+            ranks = predict_rank_us(load.committed, per_step, self.num_ranks, self.model)
+            self.predicted_rank_ms = (ranks.sum(axis=0) / 1e3).tolist()
+        if self._pending is not None:
+            verdict = self._judge(load)
+            if verdict is not None:
+                return verdict
+            if self._pending is not None:
+                return self._keep(load, "the last plan is still being judged")
+        if self.model is None:
+            return self._keep(load, "cost model not fitted yet (too few timed expert calls)")
+        if per_step is None:
+            return self._keep(load, "no load recorded in this window")
+        return self._choose(load, per_step, policy_plan)
+
+    # -- the last plan's verdict -------------------------------------------------------------
+    def _judge(self, load: WindowLoad) -> torch.Tensor | None:
+        pending, feedback = self._pending, load.feedback
+        if feedback.epoch_index > pending.epoch + 1 or (
+            feedback.epoch_index == pending.epoch + 1
+            and not torch.equal(load.committed, pending.plan)
+        ):
+            self._pending = None  # replaced or aborted on the way: nothing to judge
+            return None
+        if feedback.epoch_index == pending.epoch or pending.rollback:
+            if pending.rollback and feedback.epoch_index > pending.epoch:
+                self._pending = None  # a rollback is not judged again (no ping-pong)
+            return None
+        before, after = feedback.previous, feedback.current
+        if min(before.steps, after.steps) < MIN_JUDGED_STEPS:
+            return None
+        self._pending = None
+        tokens_before, tokens_after = before.mean_tokens, after.mean_tokens
+        figures = {
+            "step_ms_before": before.mean_step_us / 1e3,
+            "step_ms_after": after.mean_step_us / 1e3,
+            "tokens_before": tokens_before,
+            "tokens_after": tokens_after,
+        }
+        if abs(tokens_after - tokens_before) > COMPARABLE_TOKENS * max(tokens_before, 1.0):
+            self._record(load, "judged", "no verdict: the batch changed", **figures)
+            return None
+        if after.mean_step_us > before.mean_step_us * (1 + SLOWER_TOLERANCE):
+            self.counts["rollbacks"] += 1
+            self.margin = min(MAX_MARGIN, self.margin * 2)
+            self._pending = _Pending(pending.before, load.committed, feedback.epoch_index, True)
+            self._copies_applied += int(
+                transfers_needed(load.committed, pending.before, self.num_ranks).sum()
+            )
+            self._record(load, "rollback", "steps got slower under the last plan", **figures)
+            return pending.before.clone()
+        self.counts["judged_kept"] += 1
+        self._record(load, "judged", "the last plan did not slow steps down", **figures)
+        return None
+
+    # -- a new plan ------------------------------------------------------------------------------
+    def _choose(
+        self, load: WindowLoad, per_step: torch.Tensor, policy_plan: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        model, committed = self.model, load.committed
+        packed = pack_by_predicted_time(
+            per_step, self.num_slots, self.num_ranks, self.max_replicas, model
+        )
+        packed = preserve_slots(committed, relabel_ranks(committed, packed, self.num_ranks),
+                                self.num_ranks)  # fmt: skip
+        candidates = {"predicted_time": packed}
+        if policy_plan is not None:
+            candidates["policy"] = policy_plan
+        now = self._step_us(committed, per_step)
+        timed = {name: self._step_us(plan, per_step) for name, plan in candidates.items()}
+        name = min(timed, key=lambda n: (timed[n], n != "policy"))
+        plan, predicted = candidates[name], timed[name]
+        copies = int(transfers_needed(committed, plan, self.num_ranks).sum())
+        copy_us = self._copy_cost_us()
+        figures = {
+            "candidate": name,
+            "predicted_step_ms_now": now / 1e3,
+            "predicted_step_ms_plan": predicted / 1e3,
+            "saving_ms_per_step": (now - predicted) / 1e3,
+            "horizon_steps": self.step_interval,
+            "copies": copies,
+            "cost_ms": copies * copy_us / 1e3,
+            "margin": self.margin,
+        }
+        if torch.equal(plan, committed) or predicted >= now:
+            return self._keep(load, "no placement is predicted faster", **figures)
+        if self.min_gain_percent and (now - predicted) < now * self.min_gain_percent / 100:
+            return self._keep(load, "predicted gain below min_gain_percent", **figures)
+        if (now - predicted) * self.step_interval <= self.margin * copies * copy_us:
+            return self._keep(load, "the saving does not repay the move", **figures)
+        self.counts["applied"] += 1
+        self._copies_applied += copies
+        self._pending = _Pending(plan, committed, load.feedback.epoch_index, False)
+        self._record(load, "applied", "predicted to repay its move", **figures)
+        return plan
+
+    def _step_us(self, phy2log: torch.Tensor, per_step: torch.Tensor) -> float:
+        return float(predict_rank_us(phy2log, per_step, self.num_ranks, self.model).max(1).sum())
+
+    def _update_copy_cost(self, feedback) -> None:
+        if feedback.movement_steps and self._copies_applied:
+            self.copy_us = feedback.movement_extra_us / self._copies_applied
+
+    def _copy_cost_us(self) -> float:
+        if self.copy_us is not None:
+            return self.copy_us
+        return PRIOR_COPY_READS * max(self.model.read_us, self.model.row_us, 1.0)
+
+    # -- the record ------------------------------------------------------------------------------
+    def _keep(self, load: WindowLoad, reason: str, **figures) -> None:
+        self.counts["kept"] += 1
+        self._record(load, "kept", reason, **figures)
+        return None
+
+    def _record(self, load: WindowLoad, action: str, reason: str, **figures) -> None:
+        self.decisions.append({"step": load.step, "action": action, "reason": reason, **figures})
+
+    def snapshot(self) -> dict[str, Any]:
+        """Plain values for the metrics files (the model, the counts, recent decisions)."""
+        return {
+            "model": self.model.as_dict() if self.model is not None else None,
+            "predicted_rank_ms": self.predicted_rank_ms,
+            "copy_ms": None if self.copy_us is None else self.copy_us / 1e3,
+            "margin": self.margin,
+            **self.counts,
+            "decisions": list(self.decisions),
+        }

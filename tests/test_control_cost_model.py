@@ -1,0 +1,251 @@
+"""The expert cost model, the packer by predicted time, the serving feedback and the payback gate.
+
+What must hold: the fit recovers a known kernel's coefficients and never goes negative; moments
+summed over ranks fit the same model as the pooled calls (so every rank plans alike); a replica
+that receives rows costs a weight read on its rank, one that receives none costs nothing; where
+weight reads dominate, the placement by predicted time keeps fewer replicas than the count-based
+plan and is predicted faster; a plan is applied only if it repays its move, and undone when the
+measured step time got worse.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from eplb_graph.arguments import SettingsError
+from eplb_graph.control import ControlSettings
+from eplb_graph.control.cost_model import (
+    CostMoments,
+    ExpertCostModel,
+    predict_rank_us,
+    predicted_step_us,
+)
+from eplb_graph.control.feedback import FEEDBACK_SIZE, ServingFeedback, WindowFeedback
+from eplb_graph.control.payback import MIN_JUDGED_STEPS, PaybackGate
+from eplb_graph.control.planning import PolicyPlanner
+from eplb_graph.control.window import WindowLoad
+from eplb_graph.placement import Placement
+from eplb_graph.policy import rebalance
+from eplb_graph.policy.predicted_time import pack_by_predicted_time
+
+RANKS = 2
+READS = ExpertCostModel(fixed_us=50.0, row_us=2.0, read_us=200.0, samples=100, fit_error=0.0)
+ROWS = ExpertCostModel(fixed_us=50.0, row_us=20.0, read_us=1.0, samples=100, fit_error=0.0)
+
+
+def _calls(model: ExpertCostModel, count: int, seed: int = 0):
+    generator = np.random.default_rng(seed)
+    active = generator.integers(1, 33, count)
+    rows = active * generator.integers(1, 40, count)
+    micros = np.round(model.fixed_us + model.row_us * rows + model.read_us * active)
+    return rows, active, micros
+
+
+def test_fit_recovers_the_coefficients_of_a_known_kernel():
+    moments = CostMoments()
+    moments.add(*_calls(READS, 200))
+    fitted = ExpertCostModel.fit(moments.values)
+    assert fitted.fixed_us == pytest.approx(50.0, abs=1.0)
+    assert fitted.row_us == pytest.approx(2.0, abs=0.01)
+    assert fitted.read_us == pytest.approx(200.0, abs=0.1)
+    assert fitted.fit_error < 0.01
+
+
+def test_fit_never_returns_negative_coefficients_and_needs_enough_calls():
+    moments = CostMoments()
+    rows = np.arange(1, 40)
+    moments.add(rows, np.ones_like(rows), 1000 - 10 * rows)  # time falls with rows: noise
+    fitted = ExpertCostModel.fit(moments.values)
+    assert min(fitted.fixed_us, fitted.row_us, fitted.read_us) >= 0.0
+    few = CostMoments()
+    few.add([1, 2], [1, 1], [10, 20])
+    assert ExpertCostModel.fit(few.values) is None
+
+
+def test_moments_summed_over_ranks_fit_the_pooled_calls():
+    first, second, pooled = CostMoments(), CostMoments(), CostMoments()
+    calls_a, calls_b = _calls(ROWS, 50, seed=1), _calls(ROWS, 70, seed=2)
+    first.add(*calls_a)
+    second.add(*calls_b)
+    pooled.add(*(np.concatenate(pair) for pair in zip(calls_a, calls_b, strict=True)))
+    assert torch.equal(first.values + second.values, pooled.values)
+    assert ExpertCostModel.fit(first.values + second.values) == ExpertCostModel.fit(pooled.values)
+
+
+def test_a_replica_costs_a_weight_read_only_where_rows_reach_it():
+    # 4 experts, 6 slots on 2 ranks: expert 0 hot (8 rows/step), expert 3 never routed.
+    per_step = torch.tensor([[8.0, 1.0, 1.0, 0.0]])
+    hot_replica = torch.tensor([[0, 1, 3, 0, 2, 3]])  # rank 1: a copy of expert 0, and 2, 3
+    idle_slots = torch.tensor([[0, 1, 3, 2, 3, 3]])  # rank 1: expert 2 and two idle slots of 3
+    hot = predict_rank_us(hot_replica, per_step, RANKS, READS)
+    idle = predict_rank_us(idle_slots, per_step, RANKS, READS)
+    # Slots of a never-routed expert cost nothing: rank 1 is expert 2's one row and read.
+    assert idle[0, 1] == pytest.approx(
+        READS.fixed_us + READS.row_us + READS.read_us * (1 - np.exp(-1))
+    )
+    # The hot expert's replica takes 4 rows a step on rank 1: 4 rows and (almost always) a read.
+    assert hot[0, 1] - idle[0, 1] == pytest.approx(
+        4 * READS.row_us + READS.read_us * (1 - np.exp(-4))
+    )
+
+
+def _skewed(num_layers: int = 2, scale: float = 1.0) -> torch.Tensor:
+    ranks = torch.arange(32, dtype=torch.float64)
+    return (scale * (ranks + 1) ** -1.2).repeat(num_layers, 1)
+
+
+@pytest.mark.parametrize("model", [READS, ROWS], ids=["reads_dominate", "rows_dominate"])
+def test_packing_by_predicted_time_is_never_predicted_slower_than_the_count_plan(model):
+    per_step = _skewed(scale=40.0)
+    counts_plan = rebalance("default", per_step, 40, 1, 1, RANKS)
+    packed = pack_by_predicted_time(per_step, 40, RANKS, 9, model)
+    Placement(packed, 32, RANKS)  # a valid placement
+    assert predicted_step_us(packed, per_step, RANKS, model) <= predicted_step_us(
+        counts_plan, per_step, RANKS, model
+    ) * (1 + 1e-9)
+
+
+def test_where_weight_reads_dominate_the_packer_keeps_fewer_hot_replicas():
+    per_step = _skewed(scale=4.0)  # a small decode batch: a few rows per expert per step
+    packed = pack_by_predicted_time(per_step, 40, RANKS, 9, READS)
+    counts_plan = rebalance("default", per_step, 40, 1, 1, RANKS)
+
+    def hot_copies(table):
+        return int((table[0] < 8).sum())
+
+    assert hot_copies(packed) < hot_copies(counts_plan)
+    assert predicted_step_us(packed, per_step, RANKS, READS) < predicted_step_us(
+        counts_plan, per_step, RANKS, READS
+    )
+
+
+def _feedback(**changes) -> torch.Tensor:
+    """A reduced feedback vector of 2 ranks with a fitted READS model and one recorded step."""
+    moments = CostMoments()
+    moments.add(*_calls(READS, 100))
+    epoch = {"previous": [0, 0, 0], "current": [40, 40 * 10_000, 40 * 8]}
+    epoch.update({k: v for k, v in changes.items() if k in epoch})
+    head = [2, changes.get("recorded", 10), 1]
+    tail = [
+        2 * changes.get("epoch", 0),
+        2 * changes.get("extra_us", 0),
+        2 * changes.get("moved", 0),
+    ]
+    return torch.tensor(
+        head + moments.values.tolist() + epoch["previous"] + epoch["current"] + tail,
+        dtype=torch.int64,
+    )
+
+
+def _load(committed: torch.Tensor, logical: torch.Tensor, vector: torch.Tensor) -> WindowLoad:
+    return WindowLoad(
+        step=100,
+        logical=logical.round().to(torch.int64).unsqueeze(0),
+        physical=torch.zeros(committed.shape, dtype=torch.int64),
+        committed=committed,
+        feedback=WindowFeedback.parse(vector),
+    )
+
+
+def test_feedback_vector_round_trip():
+    parsed = WindowFeedback.parse(_feedback(epoch=3, extra_us=500, moved=4))
+    assert len(_feedback()) == FEEDBACK_SIZE
+    assert (parsed.ranks, parsed.recorded_steps, parsed.steps_per_rank) == (2, 10, 10.0)
+    assert (parsed.epoch_index, parsed.movement_extra_us, parsed.movement_steps) == (3, 500, 4)
+    assert parsed.current.mean_step_us == 10_000 and parsed.current.mean_tokens == 8
+
+
+def test_gate_keeps_a_plan_that_cannot_repay_its_move_and_applies_one_that_can():
+    committed = Placement.default(2, 32, 8, RANKS).phy2log
+    per_step = _skewed(scale=40.0) * 4  # the default layout puts the hot experts on rank 0
+    load = _load(committed, per_step * 10, _feedback())
+    short = PaybackGate(RANKS, 40, 9, step_interval=1)
+    assert short.decide(load, None) is None
+    assert short.decisions[-1]["reason"] == "the saving does not repay the move"
+    long = PaybackGate(RANKS, 40, 9, step_interval=100_000)
+    plan = long.decide(load, None)
+    assert plan is not None and not torch.equal(plan, committed)
+    assert long.decisions[-1]["action"] == "applied"
+    assert long.decisions[-1]["saving_ms_per_step"] > 0
+
+
+def test_gate_rolls_back_a_plan_that_made_steps_slower_and_then_asks_for_more():
+    committed = Placement.default(2, 32, 8, RANKS).phy2log
+    per_step = _skewed(scale=40.0) * 4
+    gate = PaybackGate(RANKS, 40, 9, step_interval=100_000)
+    plan = gate.decide(_load(committed, per_step * 10, _feedback(epoch=0)), None)
+    assert plan is not None
+    # Not committed yet (same epoch): wait, plan nothing new.
+    assert gate.decide(_load(committed, per_step * 10, _feedback(epoch=0)), None) is None
+    assert gate.decisions[-1]["reason"] == "the last plan is still being judged"
+    slower = _feedback(
+        epoch=1,
+        previous=[MIN_JUDGED_STEPS, MIN_JUDGED_STEPS * 10_000, MIN_JUDGED_STEPS * 8],
+        current=[MIN_JUDGED_STEPS, MIN_JUDGED_STEPS * 11_000, MIN_JUDGED_STEPS * 8],
+    )
+    back = gate.decide(_load(plan, per_step * 10, slower), None)
+    assert back is not None and torch.equal(back, committed)
+    assert gate.decisions[-1]["action"] == "rollback" and gate.margin == 2.0
+    assert gate.counts["rollbacks"] == 1
+
+
+def test_gate_keeps_a_plan_that_did_not_slow_steps_and_gives_no_verdict_when_batch_changed():
+    committed = Placement.default(2, 32, 8, RANKS).phy2log
+    per_step = _skewed(scale=40.0) * 4
+    cases = (
+        (8, 10_100, "the last plan did not slow steps down"),
+        (16, 20_000, "no verdict: the batch changed"),
+    )
+    for tokens_after, step_us, verdict in cases:
+        gate = PaybackGate(RANKS, 40, 9, step_interval=100_000)
+        plan = gate.decide(_load(committed, per_step * 10, _feedback(epoch=0)), None)
+        after = _feedback(
+            epoch=1,
+            previous=[MIN_JUDGED_STEPS, MIN_JUDGED_STEPS * 10_000, MIN_JUDGED_STEPS * 8],
+            current=[MIN_JUDGED_STEPS, MIN_JUDGED_STEPS * step_us, MIN_JUDGED_STEPS * tokens_after],
+        )
+        gate.decide(_load(plan, per_step * 10, after), None)
+        judged = [d for d in gate.decisions if d["action"] == "judged"]
+        assert judged[-1]["reason"] == verdict
+        assert gate.counts["rollbacks"] == 0
+
+
+def test_movement_cost_is_measured_per_copy_after_a_rearrangement():
+    committed = Placement.default(2, 32, 8, RANKS).phy2log
+    per_step = _skewed(scale=40.0) * 4
+    gate = PaybackGate(RANKS, 40, 9, step_interval=100_000)
+    plan = gate.decide(_load(committed, per_step * 10, _feedback()), None)
+    copies = gate.decisions[-1]["copies"]
+    assert copies > 0 and gate.copy_us is None
+    gate.decide(
+        _load(plan, per_step * 10, _feedback(epoch=1, extra_us=copies * 777, moved=3)), None
+    )
+    assert gate.copy_us == pytest.approx(777)
+
+
+def test_serving_feedback_rolls_epochs_and_measures_in_flight_cost():
+    stats = torch.zeros(2, 3, dtype=torch.int64)
+    feedback = ServingFeedback(stats)
+    for _ in range(4):
+        stats += torch.tensor([[10, 100_000, 2], [20, 200_000, 3]])
+        feedback.step(step_us=1000, tokens=4, decode=True, in_flight=False, version=0)
+    assert int(feedback.moments.values[0]) == 8  # 4 steps x 2 layers
+    feedback.step(step_us=5000, tokens=4, decode=True, in_flight=True, version=1)
+    assert (feedback.movement_extra_us, feedback.movement_steps) == (4000, 1)
+    feedback.step(step_us=900, tokens=4, decode=True, in_flight=False, version=2)
+    feedback.step(step_us=1, tokens=400, decode=False, in_flight=False, version=2)  # prefill
+    parsed = WindowFeedback.parse(feedback.take(recorded_steps=6))
+    assert parsed.epoch_index == 1
+    assert (parsed.previous.steps, parsed.previous.mean_step_us) == (4, 1000)
+    assert (parsed.current.steps, parsed.current.mean_step_us) == (1, 900)
+    assert int(feedback.moments.values[0]) == 4  # aged at the close
+
+
+def test_rearrange_setting_is_checked_and_reaches_the_planner():
+    with pytest.raises(SettingsError, match="rearrange must be"):
+        ControlSettings(rearrange="sometimes")
+    planner = PolicyPlanner("default", 40, 1, 1, RANKS, rearrange="when_it_pays", max_replicas=9)
+    assert planner.gate is not None and planner.gate.max_replicas == 9
+    assert PolicyPlanner("default", 40, 1, 1, RANKS).gate is None
