@@ -22,7 +22,7 @@ from eplb_graph.control.cost_model import (
     predict_rank_us,
     predicted_step_us,
 )
-from eplb_graph.control.feedback import FEEDBACK_SIZE, ServingFeedback, WindowFeedback
+from eplb_graph.control.feedback import ServingFeedback, WindowFeedback, feedback_size
 from eplb_graph.control.payback import MIN_JUDGED_STEPS, PaybackGate
 from eplb_graph.control.planning import PolicyPlanner
 from eplb_graph.control.window import WindowLoad
@@ -121,10 +121,16 @@ def test_where_weight_reads_dominate_the_packer_keeps_fewer_hot_replicas():
     )
 
 
-def _feedback(**changes) -> torch.Tensor:
-    """A reduced feedback vector of 2 ranks with a fitted READS model and one recorded step."""
+def _moments() -> torch.Tensor:
     moments = CostMoments()
     moments.add(*_calls(READS, 100))
+    return moments.values
+
+
+def _feedback(**changes) -> torch.Tensor:
+    """A reduced feedback vector of 2 ranks with a fitted READS model (10 recorded steps)."""
+    moments = CostMoments()
+    moments.values += _moments()
     epoch = {"previous": [0, 0, 0], "current": [40, 40 * 10_000, 40 * 8]}
     epoch.update({k: v for k, v in changes.items() if k in epoch})
     head = [2, changes.get("recorded", 10), 1]
@@ -133,8 +139,9 @@ def _feedback(**changes) -> torch.Tensor:
         2 * changes.get("extra_us", 0),
         2 * changes.get("moved", 0),
     ]
+    window = [2 * changes.get("window_steps", 0), 0, *changes.get("expert_us", (0, 0))]
     return torch.tensor(
-        head + moments.values.tolist() + epoch["previous"] + epoch["current"] + tail,
+        head + moments.values.tolist() + epoch["previous"] + epoch["current"] + tail + window,
         dtype=torch.int64,
     )
 
@@ -151,7 +158,7 @@ def _load(committed: torch.Tensor, logical: torch.Tensor, vector: torch.Tensor) 
 
 def test_feedback_vector_round_trip():
     parsed = WindowFeedback.parse(_feedback(epoch=3, extra_us=500, moved=4))
-    assert len(_feedback()) == FEEDBACK_SIZE
+    assert len(_feedback()) == feedback_size(RANKS)
     assert (parsed.ranks, parsed.recorded_steps, parsed.steps_per_rank) == (2, 10, 10.0)
     assert (parsed.epoch_index, parsed.movement_extra_us, parsed.movement_steps) == (3, 500, 4)
     assert parsed.current.mean_step_us == 10_000 and parsed.current.mean_tokens == 8
@@ -249,3 +256,30 @@ def test_rearrange_setting_is_checked_and_reaches_the_planner():
     planner = PolicyPlanner("default", 40, 1, 1, RANKS, rearrange="when_it_pays", max_replicas=9)
     assert planner.gate is not None and planner.gate.max_replicas == 9
     assert PolicyPlanner("default", 40, 1, 1, RANKS).gate is None
+
+
+def test_every_window_sets_the_predicted_busiest_rank_against_the_measured_one():
+    committed = Placement.default(2, 32, 8, RANKS).phy2log
+    per_step = _skewed(scale=40.0)
+    predicted = predict_rank_us(committed, per_step, RANKS, ExpertCostModel.fit(_moments()))
+    busiest = predicted.sum(axis=0)
+    measured = (int(busiest[0] * 10 * 1.1), int(busiest[1] * 10))  # rank 0 10% slower
+    vector = _feedback(window_steps=10, expert_us=measured)
+    gate = PaybackGate(RANKS, 40, 9, step_interval=1)
+    gate.decide(_load(committed, per_step * 10, vector), None)
+    check = gate.accuracy[-1]
+    assert check["measured_busiest_ms"] == pytest.approx(busiest.max() * 1.1 / 1e3, rel=1e-3)
+    assert check["error"] == pytest.approx(1 / 1.1 - 1, rel=1e-2)
+    assert gate.published["measured_rank_ms"][1] == pytest.approx(busiest[1] / 1e3, rel=1e-3)
+
+
+def test_a_window_under_two_placements_is_not_checked():
+    stats = torch.zeros(1, 3, dtype=torch.int64)
+    feedback = ServingFeedback(stats, rank=1, num_ranks=2)
+    for version in (0, 1):
+        stats += torch.tensor([[4, 50_000, 2]])
+        feedback.step(step_us=100, tokens=1, decode=True, in_flight=False, version=version,
+                      in_window=True)  # fmt: skip
+    parsed = WindowFeedback.parse(feedback.take(recorded_steps=0))
+    assert parsed.window_expert_us == (0, 100) and parsed.window_mixed
+    assert parsed.measured_rank_us() is None

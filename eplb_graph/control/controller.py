@@ -87,7 +87,8 @@ class EplbController:
         self._recording = False
         self._phase: BatchPhase | None = None
         # What serving measured (step times, expert-op samples, movement cost) for the planner.
-        self.feedback = ServingFeedback(state.expert_stats)
+        self.feedback = ServingFeedback(state.expert_stats, state.rank, state.num_ranks)
+        self._in_window = False
         self._step_started = 0.0
         self._in_flight = False
         self._num_valid_tokens = 0
@@ -112,6 +113,10 @@ class EplbController:
         self._num_valid_tokens = num_valid_tokens
         self._phase = BatchPhase.of_batch(has_prefill)
         collects = self.settings.load_collection_phase.collects(self._phase)
+        # Every rank (recording or not) knows whether this step's load joins the next window.
+        self._in_window = (
+            collects and self.steps_to_rearrangement <= self.settings.effective_window_size
+        )
         self._recording = self.record_load and collects and self.recording_due()
         self.state.set_step_inputs_(num_valid_tokens, self._recording)
         self.state.advance_offset_()
@@ -127,6 +132,7 @@ class EplbController:
             decode=self._phase is BatchPhase.DECODE,
             in_flight=self._in_flight,
             version=version,
+            in_window=self._in_window,
         )
         self.window.fold_pass_(self.state.load, placement, self._recording)
         self._phase = None

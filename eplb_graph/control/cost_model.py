@@ -46,7 +46,7 @@ MOMENTS = 10
 """Length of a moments vector: n, Σr, Σa, Σt, Σrr, Σra, Σaa, Σrt, Σat, Σtt (r rows, a active
 slots, t µs of one call)."""
 
-MIN_SAMPLES = 8
+MIN_SAMPLES = 32
 """Fewer calls than this fit nothing: a model from a handful of calls would decide moves."""
 
 

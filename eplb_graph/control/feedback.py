@@ -29,12 +29,18 @@ import torch
 
 from eplb_graph.control.cost_model import MOMENTS, CostMoments
 
-__all__ = ["FEEDBACK_SIZE", "Epoch", "ServingFeedback", "WindowFeedback"]
+__all__ = ["Epoch", "ServingFeedback", "WindowFeedback", "feedback_size"]
 
 _HEAD = 3  # ranks, recorded steps, ranks that recorded
 _EPOCH = 3  # decode steps, Σ step µs, Σ tokens
-FEEDBACK_SIZE = _HEAD + MOMENTS + 2 * _EPOCH + 3
-"""Length of the int64 vector a rank contributes to a window's reduction."""
+_TAIL = 3  # epoch index, movement extra µs, movement steps
+_WINDOW = 2  # window steps timed, ranks whose placement changed during the window
+
+
+def feedback_size(num_ranks: int) -> int:
+    """Length of the int64 vector a rank contributes to a window's reduction: the fixed part,
+    then one cell per rank for that rank's expert µs over the window's steps."""
+    return _HEAD + MOMENTS + 2 * _EPOCH + _TAIL + _WINDOW + num_ranks
 
 
 @dataclass(frozen=True)
@@ -67,28 +73,45 @@ class WindowFeedback:
     epoch_index: int
     movement_extra_us: int
     movement_steps: int
+    window_steps: int = 0
+    window_mixed: bool = False
+    window_expert_us: tuple = ()
 
     @classmethod
     def parse(cls, vector: torch.Tensor) -> WindowFeedback:
         v = [int(x) for x in torch.as_tensor(vector).tolist()]
-        if len(v) != FEEDBACK_SIZE:
-            raise ValueError(f"feedback vector has {len(v)} values, expected {FEEDBACK_SIZE}")
+        fixed = feedback_size(0)
+        if len(v) <= fixed:
+            raise ValueError(f"feedback vector has {len(v)} values, expected more than {fixed}")
         ranks = max(1, v[0])
         at = _HEAD + MOMENTS
+        moments = torch.tensor(v[_HEAD:at], dtype=torch.int64)
         previous = Epoch(*v[at : at + _EPOCH])
         current = Epoch(*v[at + _EPOCH : at + 2 * _EPOCH])
-        epoch_sum, extra, moved = v[at + 2 * _EPOCH :]
+        at += 2 * _EPOCH
+        epoch_sum, extra, moved = v[at : at + _TAIL]
+        window_steps, mixed = v[at + _TAIL : fixed]
         return cls(
             ranks=ranks,
             recorded_steps=v[1],
             recording_ranks=v[2],
-            moments=torch.tensor(v[_HEAD:at], dtype=torch.int64),
+            moments=moments,
             previous=previous,
             current=current,
             epoch_index=epoch_sum // ranks,
             movement_extra_us=extra // ranks,
             movement_steps=moved // ranks,
+            window_steps=window_steps // ranks,
+            window_mixed=mixed > 0,
+            window_expert_us=tuple(v[fixed:]),
         )
+
+    def measured_rank_us(self) -> list[float] | None:
+        """Each rank's mean expert µs per step over the window's steps (``None`` if the window
+        ran under more than one placement, or timed nothing)."""
+        if self.window_mixed or not self.window_steps or not any(self.window_expert_us):
+            return None
+        return [total / self.window_steps for total in self.window_expert_us]
 
     @property
     def steps_per_rank(self) -> float:
@@ -105,8 +128,14 @@ class ServingFeedback:
             taken (the model then has only what calibration gave it).
     """
 
-    def __init__(self, expert_stats: torch.Tensor) -> None:
+    def __init__(self, expert_stats: torch.Tensor, rank: int = 0, num_ranks: int = 1) -> None:
         self._stats = expert_stats
+        self._rank = rank
+        self._num_ranks = num_ranks
+        self._window_steps = 0
+        self._window_us = 0
+        self._window_version: int | None = None
+        self._window_mixed = False
         self._samples = expert_stats.device.type == "cpu" and expert_stats.shape[-1] >= 3
         self._seen = expert_stats.detach().to("cpu", copy=True)
         self.moments = CostMoments()
@@ -122,12 +151,26 @@ class ServingFeedback:
         self.moments.add(rows, active, micros)
 
     def step(
-        self, *, step_us: int, tokens: int, decode: bool, in_flight: bool, version: int
+        self,
+        *,
+        step_us: int,
+        tokens: int,
+        decode: bool,
+        in_flight: bool,
+        version: int,
+        in_window: bool = False,
     ) -> None:
         """One served step: its time, valid tokens, batch phase, whether a rearrangement was in
-        flight, and the committed placement version it ran under."""
+        flight, the committed placement version it ran under, and whether its load belongs to
+        the window that closes next (its expert time is then set against the prediction)."""
         usable = decode and not in_flight
-        self._take_cost_samples(usable)
+        expert_us = self._take_cost_samples(usable)
+        if in_window:
+            self._window_steps += 1
+            self._window_us += expert_us
+            if self._window_version is not None and version != self._window_version:
+                self._window_mixed = True
+            self._window_version = version
         if in_flight:
             mean = self._mean_current()
             if mean is not None:
@@ -149,14 +192,26 @@ class ServingFeedback:
         self.movement_steps += 1
 
     def take(self, recorded_steps: int) -> torch.Tensor:
-        """The vector this rank contributes to the window's reduction; ages the cost samples."""
+        """The vector this rank contributes to the window's reduction; ages the cost samples
+        and starts the next window's timing."""
         head = [1, recorded_steps, 1 if recorded_steps > 0 else 0]
         tail = [self.epoch_index, self.movement_extra_us, self.movement_steps]
+        window = [self._window_steps, int(self._window_mixed)]
+        per_rank = [0] * self._num_ranks
+        per_rank[self._rank] = self._window_us
         vector = torch.tensor(
-            head + self.moments.values.tolist() + self._previous + self._current + tail,
+            head
+            + self.moments.values.tolist()
+            + self._previous
+            + self._current
+            + tail
+            + window
+            + per_rank,
             dtype=torch.int64,
         )
         self.moments.halve_()
+        self._window_steps = self._window_us = 0
+        self._window_version, self._window_mixed = None, False
         return vector
 
     def _mean_current(self) -> float | None:
@@ -169,21 +224,25 @@ class ServingFeedback:
         self._current = [0, 0, 0]
         self.epoch_index += 1
 
-    def _take_cost_samples(self, usable: bool) -> None:
+    def _take_cost_samples(self, usable: bool) -> int:
+        """Adds this step's per-layer calls to the moments when ``usable``; returns the step's
+        expert µs (0 where the op is not timed on the host)."""
         if not self._samples:
-            return
+            return 0
         now = self._stats.detach().clone()
         delta = now - self._seen
         self._seen = now
-        if not usable:
-            return
         timed = delta[:, 1] > 0
         if not bool(timed.any()):
-            return
+            return 0
         delta = delta[timed]
-        self.moments.add(delta[:, 0].numpy(), delta[:, 2].numpy(), (delta[:, 1] // 1000).numpy())
+        if usable:
+            self.moments.add(
+                delta[:, 0].numpy(), delta[:, 2].numpy(), (delta[:, 1] // 1000).numpy()
+            )
+        return int(delta[:, 1].sum()) // 1000
 
 
-def empty_feedback() -> torch.Tensor:
+def empty_feedback(num_ranks: int) -> torch.Tensor:
     """A rank's vector when it has nothing to say (a failed fold still joins the reduction)."""
-    return torch.zeros(FEEDBACK_SIZE, dtype=torch.int64)
+    return torch.zeros(feedback_size(num_ranks), dtype=torch.int64)

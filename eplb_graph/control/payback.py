@@ -21,7 +21,9 @@ inputs are sums from the window reduction):
    copy of the rearrangements so far (what their in-flight steps took beyond the idle mean), or,
    before any was measured, :data:`PRIOR_COPY_READS` weight reads per copy.
 
-Every decision is kept (newest :data:`KEPT`) with its figures, for the metrics files.
+Every decision is kept (newest :data:`KEPT`) with its figures, for the metrics files, and so is
+every window's check of the model: the busiest rank's predicted expert ms per step under the
+committed placement against what the ranks measured over the same steps (``accuracy``).
 """
 
 from __future__ import annotations
@@ -86,11 +88,22 @@ class PaybackGate:
     )
     copy_us: float | None = None
     predicted_rank_ms: list | None = None
+    measured_rank_ms: list | None = None
+    accuracy: deque = field(default_factory=lambda: deque(maxlen=KEPT))
+    published: dict | None = None
     _pending: _Pending | None = None
     _copies_applied: int = 0
 
     def decide(self, load: WindowLoad, policy_plan: torch.Tensor | None) -> torch.Tensor | None:
         """The placement to move to, or ``None`` to keep the committed one."""
+        try:
+            return self._decide(load, policy_plan)
+        finally:
+            # One immutable document per decision: the metrics writer's thread reads it while
+            # the next window may already be deciding on the worker's.
+            self.published = self.snapshot()
+
+    def _decide(self, load: WindowLoad, policy_plan: torch.Tensor | None) -> torch.Tensor | None:
         feedback = load.feedback
         if feedback is None:
             return self._keep(load, "no serving feedback in this window")
@@ -101,6 +114,7 @@ class PaybackGate:
         if self.model is not None and per_step is not None:
             ranks = predict_rank_us(load.committed, per_step, self.num_ranks, self.model)
             self.predicted_rank_ms = (ranks.sum(axis=0) / 1e3).tolist()
+            self._check_prediction(load.step, feedback.measured_rank_us())
         if self._pending is not None:
             verdict = self._judge(load)
             if verdict is not None:
@@ -112,6 +126,23 @@ class PaybackGate:
         if per_step is None:
             return self._keep(load, "no load recorded in this window")
         return self._choose(load, per_step, policy_plan)
+
+    def _check_prediction(self, step: int, measured_us: list[float] | None) -> None:
+        """Set the busiest rank's predicted expert time against what the window measured."""
+        if measured_us is None or len(measured_us) != self.num_ranks:
+            self.measured_rank_ms = None
+            return
+        self.measured_rank_ms = [us / 1e3 for us in measured_us]
+        predicted, measured = max(self.predicted_rank_ms), max(self.measured_rank_ms)
+        if measured > 0:
+            self.accuracy.append(
+                {
+                    "step": step,
+                    "predicted_busiest_ms": predicted,
+                    "measured_busiest_ms": measured,
+                    "error": (predicted - measured) / measured,
+                }
+            )
 
     # -- the last plan's verdict -------------------------------------------------------------
     def _judge(self, load: WindowLoad) -> torch.Tensor | None:
@@ -220,6 +251,8 @@ class PaybackGate:
         return {
             "model": self.model.as_dict() if self.model is not None else None,
             "predicted_rank_ms": self.predicted_rank_ms,
+            "measured_rank_ms": self.measured_rank_ms,
+            "accuracy": list(self.accuracy),
             "copy_ms": None if self.copy_us is None else self.copy_us / 1e3,
             "margin": self.margin,
             **self.counts,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eplb_graph.control.feedback import FEEDBACK_SIZE, WindowFeedback, empty_feedback
+from eplb_graph.control.feedback import WindowFeedback, empty_feedback, feedback_size
 
 LoadReducer = Callable[[torch.Tensor], torch.Tensor]
 """Sums a CPU tensor across EP ranks (in place or not) and returns the sum; one collective."""
@@ -219,6 +219,7 @@ def reduce_window(
     reduce: LoadReducer,
     num_logical: int,
     time_samples: int,
+    num_ranks: int = 1,
 ) -> WindowLoad:
     """Fold a window's host ``rows`` to logical experts and sum them across ranks in one
     collective.
@@ -234,12 +235,14 @@ def reduce_window(
     try:
         logical = fold_to_logical(rows, snapshot.placements, num_logical, time_samples)
         physical = rows.sum(dim=0).to("cpu", torch.int64)
-        feedback = snapshot.feedback if snapshot.feedback is not None else empty_feedback()
+        feedback = snapshot.feedback
+        if feedback is None or feedback.numel() != feedback_size(num_ranks):
+            feedback = empty_feedback(num_ranks)
         packed = torch.cat([logical.reshape(-1), physical.reshape(-1), feedback.to(torch.int64)])
     except Exception as error:  # still take part in the collective
         failure = error
         packed = torch.zeros(
-            logical_size + num_layers * num_slots + FEEDBACK_SIZE, dtype=torch.int64
+            logical_size + num_layers * num_slots + feedback_size(num_ranks), dtype=torch.int64
         )
     packed = reduce(packed)
     if failure is not None:

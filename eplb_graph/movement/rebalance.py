@@ -242,6 +242,7 @@ class RebalancePipeline:
                 self._reducer(group),
                 self.state.num_logical,
                 self.time_samples,
+                self.state.num_ranks,
             )
         except Exception as failure:
             attempt.transport_failed = True

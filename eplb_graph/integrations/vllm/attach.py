@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 
 
 def _bind_stats(model, state: EplbState) -> None:
-    """Each layer's expert op times itself into ``state.expert_stats[layer]`` (rows, ns)."""
+    """Each layer's expert op times itself into ``state.expert_stats[layer]`` (rows, ns, active
+    slots)."""
     for index, layer in enumerate(model.moe_layers):
         kernel = layer.routed_experts.quant_method.moe_kernel.fused_experts
         kernel.eplb_stats = state.expert_stats[index]
@@ -123,17 +124,20 @@ def start(
     record_load: Callable[[int], bool],
     adapter_cls: type[VllmEplbAdapter] = VllmEplbAdapter,
     device: torch.device | str = "cpu",
+    timed_experts: bool = True,
 ) -> VllmEplbAdapter:
     """One rank's EPLB over a loaded vLLM MoE model: state, routing, views, runtime, adapter.
 
     Shared by the attaches (vLLM's CPU runner, vllm-ascend's Model Runner V2); each brings how
     its routers are pointed at the state (``bind``), its weight views, and which ranks record
-    load (``record_load(ep_rank)``: with replicated routing only one rank may).
+    load (``record_load(ep_rank)``: with replicated routing only one rank may), and whether its
+    expert op times itself (``timed_experts``: the cost model of ``rearrange="when_it_pays"``).
     """
     settings = eplb_settings(
         runner.vllm_config,
         num_layers=model.num_moe_layers,
         num_expert_groups=max(1, int(getattr(model, "num_expert_groups", 1) or 1)),
+        timed_experts=timed_experts,
     )
     assert settings is not None  # attach runs only with enable_eplb
     ep_rank, ep_size = group.rank_in_group, group.world_size

@@ -129,6 +129,12 @@ def _check(hidden, topk_ids, topk_weights, expert_map, stats, kernel) -> None:
         )
 
 
+LAST_CALL: list = [None]
+"""The newest call's fixed arguments ``(expert_map, weights, kernel, activation, isa,
+weight_on_input, hidden dtype, hidden size, topk_ids dtype)``: what a cost calibration needs to
+replay this rank's very kernel on its live weights (``calibration.py``). One list store per call."""
+
+
 def local_experts_cpu(
     hidden, topk_ids, topk_weights, expert_map, weights, stats, kernel, activation, isa,
     weight_on_input=False,
@@ -163,6 +169,10 @@ def local_experts_cpu(
     stats[1] += time.perf_counter_ns() - started
     if stats.shape[0] == 3:
         stats[2] += active
+    LAST_CALL[0] = (
+        expert_map, weights, kernel, activation, isa, weight_on_input, hidden.dtype,
+        hidden.shape[1], topk_ids.dtype,
+    )  # fmt: skip
     return out.to(hidden.dtype)
 
 

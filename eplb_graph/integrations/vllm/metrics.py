@@ -287,6 +287,7 @@ class MetricsFileCollector:
                     family.add_metric([str(document["rank"])], float(document[key]))
             yield family
         yield from _expert_time_families(documents)
+        yield from _cost_model_families(documents)
         info = InfoMetricFamily(
             "eplb_graph_placement", "Digest of the committed placement", labels=["rank"]
         )
@@ -322,6 +323,55 @@ def _expert_time_families(documents: list[dict[str, Any]]):
     if value is not None:
         measured.add_metric([], value)
     yield measured
+
+
+def _cost_model_families(documents: list[dict[str, Any]]):
+    """The expert cost model of ``rearrange="when_it_pays"``: its coefficients and fit error,
+    each rank's predicted expert ms per step (to set against ``eplb_graph_expert_ms``), and
+    what the payback gate decided."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    terms = GaugeMetricFamily(
+        "eplb_graph_cost_model_us",
+        "Fitted expert-op time per call: fixed, per row, per active slot's weight read (µs)",
+        labels=["rank", "term"],
+    )
+    error = GaugeMetricFamily(
+        "eplb_graph_cost_model_fit_error",
+        "Root-mean-square residual of the cost model over the mean call time",
+        labels=["rank"],
+    )
+    predicted = GaugeMetricFamily(
+        "eplb_graph_predicted_expert_ms",
+        "Expert ms per step the cost model predicts for this rank under the last window's load",
+        labels=["rank"],
+    )
+    decisions = {
+        key: CounterMetricFamily(f"eplb_graph_plans_{key}", text, labels=["rank"])
+        for key, text in (
+            ("applied", "Plans the payback gate applied"),
+            ("kept", "Windows whose placement the payback gate kept"),
+            ("rollbacks", "Plans undone because steps got slower"),
+        )
+    }
+    for document in documents:
+        gate = document.get("cost_model") or {}
+        rank = str(document["rank"])
+        model = gate.get("model")
+        if model:
+            for term in ("fixed", "row", "read"):
+                terms.add_metric([rank, term], float(model[f"{term}_us"]))
+            error.add_metric([rank], float(model["fit_error"]))
+        ranks_ms = gate.get("predicted_rank_ms") or []
+        if isinstance(document.get("rank"), int) and document["rank"] < len(ranks_ms):
+            predicted.add_metric([rank], float(ranks_ms[document["rank"]]))
+        for key, family in decisions.items():
+            if gate.get(key) is not None:
+                family.add_metric([rank], float(gate[key]))
+    yield terms
+    yield error
+    yield predicted
+    yield from decisions.values()
 
 
 def measured_balancedness(per_rank_ms: list[float], expected: int) -> float | None:

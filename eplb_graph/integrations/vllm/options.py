@@ -87,6 +87,12 @@ class PluginOptions(Validated):
     min_gain_percent: int = option(
         0, minimum=0, maximum=99, doc="apply a plan only if it cuts the busiest rank's load by this"
     )
+    rearrange: str | None = option(
+        None,
+        choices=(None, "always", "when_it_pays"),
+        doc="when_it_pays (vLLM's default): only plans predicted to repay their move, and undo "
+        "one that made steps slower; always: every plan that differs, as upstream",
+    )
 
     def __post_init__(self) -> None:
         self._validate_all()

@@ -22,6 +22,7 @@ import time
 from collections import deque
 from typing import Any
 
+from eplb_graph.integrations.vllm.calibration import calibrate_local_experts
 from eplb_graph.integrations.vllm.metrics import (
     BackgroundWriter,
     RankMetricsFile,
@@ -93,6 +94,9 @@ class VllmEplbAdapter:
         # (started, finished, layers committed, bytes received, aborted) at the last log line
         self._seen: tuple[int, ...] = (0, 0, 0, 0, 0)
         self._rearrangement_started = 0.0
+        # rearrange="when_it_pays": the cost model gets a calibration before its first window.
+        self._gate = getattr(runtime.planner, "gate", None)
+        self._calibrated = self._gate is None
         self._metrics = None
         self.weight_digests: DigestLog | None = None
         if settings.metrics_path is not None:
@@ -108,6 +112,8 @@ class VllmEplbAdapter:
             self._end_step()  # a forward whose step hook never came: close it first
         if self._graphs_at_first_step is None and self._model_compiled:
             self._graphs_at_first_step = compile_counters()["unique_graphs"]
+        if not self._calibrated:
+            self._calibrate()
         self._step_started = time.perf_counter()
         self._step_busy = self.runtime.busy
         self.runtime.begin_step(
@@ -160,6 +166,21 @@ class VllmEplbAdapter:
             self._refresh_digest()
             self._record_weight_digests()
             self._metrics.notify(self.runtime.progress())
+
+    def _calibrate(self) -> None:
+        """Time this rank's kernel on synthetic rows once (before the first real step's
+        forward, after the warm-up made a call to replay): the cost model's first samples."""
+        samples = calibrate_local_experts()
+        if samples is None:
+            return  # no call of the expert op yet: the next step's forward makes one
+        self._calibrated = True
+        self.runtime.controller.feedback.calibrate(*samples)
+        logger.info(
+            "eplb-graph cost calibration on EP rank %d: %d kernel calls, %.1f ms",
+            self.ep_rank,
+            len(samples[0]),
+            sum(samples[2]) / 1e3,
+        )
 
     def _finished(self) -> int:
         """Rearrangements finished so far (installed everywhere, or aborted)."""
@@ -284,6 +305,8 @@ class VllmEplbAdapter:
                 name: _summary(list(times)) for name, times in self._hook_seconds.items()
             },
             **self._expert_figures(),
+            "rearrange": self.settings.control.rearrange,
+            "cost_model": None if self._gate is None else self._gate.published,
             "closed": self.closed,
             **(
                 {"weight_digests": self.weight_digests.document()}

@@ -60,9 +60,18 @@ def plugin_section(vllm_config: Any) -> Any:
 
 
 def eplb_settings(
-    vllm_config: Any, *, num_layers: int | None = None, num_expert_groups: int = 1
+    vllm_config: Any,
+    *,
+    num_layers: int | None = None,
+    num_expert_groups: int = 1,
+    timed_experts: bool = True,
 ) -> VllmEplbSettings | None:
     """Validate every EPLB setting of ``vllm_config``; ``None`` when EPLB is off.
+
+    ``timed_experts``: whether the host's expert op records its own time (vLLM's CPU kernels
+    do; vllm-ascend's NPU kernels do not), which ``rearrange="when_it_pays"`` (the default where
+    it is) needs to fit its cost model; elsewhere the default is ``always`` and asking for
+    ``when_it_pays`` is refused.
 
     ``num_layers`` (the loaded model's, in workers) checks an expert map's layer count and caps
     ``layers_per_step``. Without it (where vLLM builds its config) the count comes from the
@@ -97,6 +106,7 @@ def eplb_settings(
         raise ConfigError("enable_eplb", f"resolved to the {resolved.path.value} path")
     control = control_settings_from_v2(resolved.v2, num_groups=num_expert_groups)
     control = _with_options(control, options, additional)
+    control = dataclasses.replace(control, rearrange=_rearrange(options, timed_experts))
     model_config = vllm_config.model_config
     if num_layers is None:
         num_layers = moe_layer_count(model_config)
@@ -188,6 +198,19 @@ def _with_options(
             )
         changes["load_collection_phase"] = ours
     return dataclasses.replace(control, **changes)
+
+
+def _rearrange(options: PluginOptions, timed_experts: bool) -> str:
+    """``when_it_pays`` by default where the expert op is timed, ``always`` elsewhere."""
+    if options.rearrange is None:
+        return "when_it_pays" if timed_experts else "always"
+    if options.rearrange == "when_it_pays" and not timed_experts:
+        raise ConfigError(
+            f"{PREFIX}.rearrange",
+            "'when_it_pays' needs the expert op's own timings to fit its cost model, and this "
+            "host's expert kernels do not record them (vllm-ascend's NPU kernels); use 'always'",
+        )
+    return options.rearrange
 
 
 def _expert_map(

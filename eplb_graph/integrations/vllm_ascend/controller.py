@@ -157,6 +157,7 @@ def attach_to(
         record_load=lambda ep_rank: True,  # per forward: routing.RouterRecording
         adapter_cls=AscendEplbAdapter,
         device=controller.device,
+        timed_experts=False,  # NPU expert kernels record no time: rearrange defaults to always
     )
     assert isinstance(adapter, AscendEplbAdapter)
     return adapter
