@@ -92,6 +92,7 @@ class EplbRuntime:
         # Capped by the model (a chunk or block count beyond its layers is never used), and the
         # staging memory checked against its budget before any of it is allocated.
         self.movement = (movement or MovementSettings()).for_layers(state.num_layers)
+        slot_nbytes = max(view.slot_nbytes for view in self.views)
         self.planner = planner or PolicyPlanner(
             control.policy,
             state.num_slots,
@@ -103,8 +104,8 @@ class EplbRuntime:
             rearrange=control.rearrange,
             max_replicas=state.max_replicas,
             step_interval=control.step_interval,
+            copy_bytes=slot_nbytes,
         )
-        slot_nbytes = max(view.slot_nbytes for view in self.views)
         slots_per_rank = state.num_slots // state.num_ranks
         blocks = self.movement.num_staging_blocks
         check_staging_budget(

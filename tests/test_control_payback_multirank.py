@@ -18,7 +18,9 @@ from tests.distributed import run_ranks
 LAYERS, EXPERTS = 2, 8
 
 
-def _rank_body(rank: int, world_size: int, row_us: int, steps: int) -> dict:
+def _rank_body(rank: int, world_size: int, row_us: int, hot: int, penalty_ms: float) -> dict:
+    import time
+
     import eplb_graph
     from eplb_graph import ControlSettings, EplbRuntime, GroupRing, MovementSettings
     from tests.movement_fixtures import expert_payloads, rank_views, slot_mismatches
@@ -38,12 +40,13 @@ def _rank_body(rank: int, world_size: int, row_us: int, steps: int) -> dict:
         record_load=rank == 0,  # replicated routing: every rank routes the same tokens
     )
     generator = torch.Generator().manual_seed(3)  # the same tokens on every rank
-    hot = torch.tensor([0, 1, 2, 3])  # all on rank 0 under the default layout
-    for step in range(steps):
+    experts = torch.arange(hot)  # experts 0-3 all live on rank 0 under the default layout
+    per_rank = state.num_slots // world_size
+    for step in range(STEPS):
         jitter = 1.0 if rank == 0 else (1.15 if step % 2 else 0.85)
-        ids = hot[torch.randint(0, 4, (32, 2), generator=generator)]
+        ids = experts[torch.randint(0, hot, (32, 2), generator=generator)]
         runtime.begin_step(has_prefill=False, num_valid_tokens=32)
-        per_rank = state.num_slots // world_size
+        busiest_us = 0.0
         for layer in range(LAYERS):
             physical = torch.ops.eplb_graph.map_and_record(
                 ids,
@@ -54,12 +57,21 @@ def _rank_body(rank: int, world_size: int, row_us: int, steps: int) -> dict:
                 state.num_valid_tokens,
                 state.record_enabled,
             )
-            # The expert op's own counters: rows, ns and active slots of this rank's share.
-            local = (physical // per_rank) == rank
-            rows = int(local.sum())
-            active = int(torch.unique(physical[local]).numel())
-            micros = int(jitter * (20 + row_us * rows + 300 * active))
-            state.expert_stats[layer] += torch.tensor([rows, 1000 * micros, active])
+            # A kernel whose time is rows and active slots: every rank's share (the same on
+            # every rank), this rank's written into the op's own counters, with this rank's
+            # noise; the step lasts as long as the busiest rank (the combine waits for it).
+            times = []
+            for owner in range(world_size):
+                local = (physical // per_rank) == owner
+                rows = int(local.sum())
+                active = int(torch.unique(physical[local]).numel())
+                times.append(20 + row_us * rows + 300 * active)
+                if owner == rank:
+                    micros = int(jitter * times[-1])
+                    state.expert_stats[layer] += torch.tensor([rows, 1000 * micros, active])
+            busiest_us += max(times)
+        moved = not torch.equal(state.placement.phy2log, placement.phy2log)
+        time.sleep(busiest_us / 1e6 + (penalty_ms / 1e3 if moved else 0.0))
         runtime.end_step()
     gate = runtime.planner.gate.published
     runtime.close()
@@ -71,22 +83,45 @@ def _rank_body(rank: int, world_size: int, row_us: int, steps: int) -> dict:
     }
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("row_us", [200, 0], ids=["rows_dominate", "reads_only"])
-def test_every_rank_fits_one_model_and_takes_the_same_decisions(row_us):
-    results = run_ranks(_rank_body, 2, row_us, 64)
+STEPS = 80
+DEFAULT = [[*range(EXPERTS), 0, 1] for _ in range(LAYERS)]
+
+
+def _agreed(results: list[dict]) -> dict:
     first = results[0]
     assert first["model"] is not None
     assert all(r["model"] == first["model"] for r in results)
     assert all(r["decisions"] == first["decisions"] for r in results)
     assert all(r["placement"] == first["placement"] for r in results)
-    assert all(not r["mismatches"] for r in results)
+    assert all(not r["mismatches"] for r in results)  # the weights follow every placement
+    return first
+
+
+@pytest.mark.multiprocess
+def test_a_plan_that_repays_its_move_is_applied_and_kept_on_every_rank():
+    # Rows dominate and rank 0 holds every hot expert: moving half of them repays at once.
+    first = _agreed(run_ranks(_rank_body, 2, 200, 4, 0.0))
     actions = [action for _, action, _ in first["decisions"]]
-    moved = first["placement"] != [[*range(EXPERTS), 0, 1] for _ in range(LAYERS)]
-    if row_us:
-        # Rows dominate and rank 0 holds every hot expert: a plan repays and is applied.
-        assert "applied" in actions and moved
-    else:
-        # Time is weight reads only, and both ranks already read their active experts: keeping
-        # is predicted as fast as any move, which would cost copies.
-        assert "applied" not in actions and not moved
+    assert "applied" in actions and "rollback" not in actions
+    assert ("judged" in actions) and first["placement"] != DEFAULT
+
+
+@pytest.mark.multiprocess
+def test_a_balanced_load_whose_time_is_weight_reads_is_never_moved():
+    # Every expert hot on both ranks' slots alike: no placement is predicted faster.
+    first = _agreed(run_ranks(_rank_body, 2, 0, EXPERTS, 0.0))
+    actions = [action for _, action, _ in first["decisions"]]
+    assert "applied" not in actions and first["placement"] == DEFAULT
+
+
+@pytest.mark.multiprocess
+def test_a_plan_that_made_steps_slower_is_rolled_back_on_every_rank():
+    # The model predicts a gain, but every step after the move costs 40 ms more (what a
+    # misfit model would not see): the gate measures it and plans the old placement back.
+    first = _agreed(run_ranks(_rank_body, 2, 200, 4, 40.0))
+    actions = [action for _, action, _ in first["decisions"]]
+    assert actions.count("applied") == 1 and actions.count("rollback") == 1
+    assert actions.index("applied") < actions.index("rollback")
+    reasons = [reason for _, _, reason in first["decisions"]]
+    assert "this plan made steps slower before" in reasons  # and it is not tried again
+    assert first["placement"] == DEFAULT

@@ -84,6 +84,23 @@ def test_demo_w8a8_moves_int8_weights_and_scales_exactly(tmp_path):
     assert report["max_abs_diff"] == 0.0
 
 
+def test_demo_when_it_pays_runs_the_control_planes_cost_model(tmp_path):
+    """The demo's EPLB goes through the same payback gate as the vLLM plugin: a model fitted
+    from its expert op's own timings, a decision per window, each window's prediction checked
+    against what the ranks measured; whatever it decides, the weights stay exact."""
+    report = _run_demo(tmp_path, "--rearrange", "when_it_pays")
+    gate = report["cost_model"]
+    assert gate is not None and gate["model"] is not None
+    assert gate["model"]["samples"] > 0 and gate["model"]["fit_error"] >= 0
+    actions = {decision["action"] for decision in gate["decisions"]}
+    assert actions and actions <= {"applied", "kept", "judged", "rollback"}
+    assert gate["applied"] + gate["kept"] >= 1
+    assert gate["accuracy"], gate
+    assert all(check["measured_busiest_ms"] > 0 for check in gate["accuracy"])
+    assert report["weights_exact"] is True and report["recompiles"] == 0
+    assert report["options"]["rearrange"] == "when_it_pays"
+
+
 def test_demo_rejects_bad_options_before_spawning(capsys):
     assert cli.main(["demo", "--ranks", "3", "--experts", "16", "--redundant", "4"]) == 2
     assert "must be divisible by --ranks" in capsys.readouterr().err
@@ -91,6 +108,9 @@ def test_demo_rejects_bad_options_before_spawning(capsys):
     assert "--ranks must be >= 2" in capsys.readouterr().err
     assert cli.main(["demo", "--policy", "nope"]) == 2
     assert "unknown EPLB policy 'nope'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse's own refusal of an unknown choice
+        cli.main(["demo", "--rearrange", "sometimes"])
+    assert "invalid choice: 'sometimes'" in capsys.readouterr().err
 
 
 @pytest.mark.multiprocess

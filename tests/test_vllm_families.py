@@ -115,7 +115,9 @@ def served(request, tmp_path_factory):
             "enable_expert_parallel": True,
             "enable_eplb": True,
             "eplb_config": {**EPLB, "use_async": False},
-            "additional_config": {"eplb_graph": {"metrics_path": str(root / f"metrics-{name}")}},
+            "additional_config": {
+                "eplb_graph": {"metrics_path": str(root / f"metrics-{name}"), "rearrange": "always"}
+            },
         }
         runs = [(f"{name}-tp1", {}, "0"), (name, eplb, "0|1")]
         if name in SAME_LAYOUT_EPLB_OFF:

@@ -329,6 +329,11 @@ def test_vllm_accepts_eplb_on_cpu_with_the_plugin(engine_args):
     [
         ({"additional_config": {"eplb_graph": {"polcy": "x"}}}, f"{PREFIX}.polcy", "did you mean"),
         (
+            {"additional_config": {"eplb_graph": {"rearrange": "sometimes"}}},
+            f"{PREFIX}.rearrange",
+            "when_it_pays",
+        ),
+        (
             {"eplb_config": {"window_size": 4, "step_interval": 8, "num_redundant_experts": 1}},
             "eplb_config.num_redundant_experts",
             "not divisible by ep_size=2",
@@ -516,6 +521,23 @@ def test_min_gain_percent_reaches_the_planner(engine_args):
     assert eplb_settings(config, num_layers=2).control.min_gain_percent == 5
     default = eplb_settings(engine_args().create_engine_config(), num_layers=2)
     assert default.control.min_gain_percent == 0
+
+
+@pytest.mark.vllm
+def test_rearrange_defaults_to_when_it_pays_where_the_experts_are_timed(engine_args):
+    """A user who turns EPLB on and forgets it gets the payback gate on vLLM's CPU kernels;
+    vllm-ascend's NPU kernels record no time, so there the default is ``always`` and asking for
+    the gate fails at start-up."""
+    from eplb_graph.integrations.vllm.settings import ConfigError, eplb_settings
+
+    default = engine_args().create_engine_config()
+    assert eplb_settings(default, num_layers=2).control.rearrange == "when_it_pays"
+    assert eplb_settings(default, num_layers=2, timed_experts=False).control.rearrange == "always"
+    always = engine_args(additional_config={"eplb_graph": {"rearrange": "always"}})
+    assert eplb_settings(always.create_engine_config(), num_layers=2).control.rearrange == "always"
+    gate = engine_args(additional_config={"eplb_graph": {"rearrange": "when_it_pays"}})
+    with pytest.raises(ConfigError, match=r"eplb_graph\.rearrange.*do not record"):
+        eplb_settings(gate.create_engine_config(), num_layers=2, timed_experts=False)
 
 
 @pytest.mark.vllm

@@ -217,7 +217,7 @@ def quantized_engines(tmp_path_factory):
             else:
                 write_tiny_w8a8(model, family)
         name = f"{checkpoint}-{mode}"
-        section = {"metrics_path": str(root / f"metrics-{name}")}
+        section = {"metrics_path": str(root / f"metrics-{name}"), "rearrange": "always"}
         if mode == "fixed":  # record mode: plans are written, never applied
             section["record_map_path"] = str(root / f"{name}-map.json")
         else:

@@ -278,7 +278,7 @@ def fp8_engines(tmp_path_factory):
     model = write_tiny_qwen3_moe(root / "model", moe_intermediate_size=ENGINE_INTERMEDIATE)
     engines = []
     for mode in ("fixed", "eplb"):
-        section: dict = {"metrics_path": str(root / f"metrics-{mode}")}
+        section: dict = {"metrics_path": str(root / f"metrics-{mode}"), "rearrange": "always"}
         if mode == "fixed":  # record mode: plans are written, never applied
             section["record_map_path"] = str(root / f"{mode}-map.json")
         else:

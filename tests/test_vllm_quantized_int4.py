@@ -366,7 +366,7 @@ def w4a16_engines(request, tmp_path_factory):
         model = write_tiny_w4a16(root / checkpoint, checkpoint_format=checkpoint_format)
         for mode in ("fixed", "eplb"):
             name = f"{checkpoint}-{mode}"
-            section = {"metrics_path": str(root / f"metrics-{name}")}
+            section = {"metrics_path": str(root / f"metrics-{name}"), "rearrange": "always"}
             if mode == "fixed":  # record mode: plans are written, never applied
                 section["record_map_path"] = str(root / f"{name}-map.json")
             else:

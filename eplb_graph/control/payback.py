@@ -9,8 +9,8 @@ inputs are sums from the window reduction):
 1. **judge the last plan first.** Once the placement it installed has served enough decode steps,
    its mean step time is compared with the mean under the placement before it (at a comparable
    batch). Slower by more than :data:`SLOWER_TOLERANCE`: the old placement is planned back (a
-   rollback), and every later plan must repay twice as much (up to :data:`MAX_MARGIN`). No new
-   plan is made while the last one is still being judged;
+   rollback), that plan is never applied again, and every later plan must repay twice as much
+   (up to :data:`MAX_MARGIN`). No new plan is made while the last one is still being judged;
 2. **predict.** Fit the expert cost model from the serving samples
    (:class:`~eplb_graph.control.cost_model.ExpertCostModel`), and predict the busiest rank's
    expert time per step of the committed placement, of the configured policy's plan and of the
@@ -19,7 +19,8 @@ inputs are sums from the window reduction):
 3. **repay.** The fastest candidate is applied only if its predicted saving over the next
    interval exceeds the cost of the experts it moves across ranks: the measured cost per moved
    copy of the rearrangements so far (what their in-flight steps took beyond the idle mean), or,
-   before any was measured, :data:`PRIOR_COPY_READS` weight reads per copy.
+   before any was measured, a pessimistic prior from the copy's bytes
+   (:data:`PRIOR_BYTES_PER_US`).
 
 Every decision is kept (newest :data:`KEPT`) with its figures, for the metrics files, and so is
 every window's check of the model: the busiest rank's predicted expert ms per step under the
@@ -48,10 +49,13 @@ MIN_JUDGED_STEPS = 8
 """Decode steps needed on each side before a plan is judged."""
 COMPARABLE_TOKENS = 0.2
 """The two sides' mean tokens per step may differ by this share; beyond, no verdict."""
-PRIOR_COPY_READS = 20.0
-"""Before any rearrangement was measured, moving one expert copy is taken to cost as much
-serving time as 20 of its weight reads by the kernel (staged, sent, received and installed:
-several passes over its bytes, plus the bookkeeping)."""
+PRIOR_BYTES_PER_US = 50.0
+"""Before any rearrangement was measured, moving one expert copy is taken to cost serving 1 µs
+per 50 bytes of it (20 ms per MiB): it is staged, sent, received and installed on the cores
+that serve, while steps run. Deliberately pessimistic (a first rearrangement is a gamble the
+measured cost then corrects); a plan that pays anyway pays by a wide margin."""
+PRIOR_COPY_READS = 100.0
+"""The same prior where the bytes of a copy are unknown: 100 of its weight reads by the kernel."""
 MAX_MARGIN = 8.0
 KEPT = 16
 
@@ -73,6 +77,7 @@ class PaybackGate:
         max_replicas: lookup width ``R`` (no candidate gives an expert more copies).
         step_interval: steps between window closes: the horizon a plan must repay within.
         min_gain_percent: additionally, the predicted busiest-rank time must fall by this share.
+        copy_bytes: bytes of one expert copy (the prior cost of a move; 0: unknown).
     """
 
     num_ranks: int
@@ -80,6 +85,7 @@ class PaybackGate:
     max_replicas: int
     step_interval: int
     min_gain_percent: int = 0
+    copy_bytes: int = 0
     model: ExpertCostModel | None = None
     margin: float = 1.0
     decisions: deque = field(default_factory=lambda: deque(maxlen=KEPT))
@@ -93,6 +99,8 @@ class PaybackGate:
     published: dict | None = None
     _pending: _Pending | None = None
     _copies_applied: int = 0
+    _initial: torch.Tensor | None = None
+    _refused: deque = field(default_factory=lambda: deque(maxlen=KEPT))
 
     def decide(self, load: WindowLoad, policy_plan: torch.Tensor | None) -> torch.Tensor | None:
         """The placement to move to, or ``None`` to keep the committed one."""
@@ -114,7 +122,12 @@ class PaybackGate:
         if self.model is not None and per_step is not None:
             ranks = predict_rank_us(load.committed, per_step, self.num_ranks, self.model)
             self.predicted_rank_ms = (ranks.sum(axis=0) / 1e3).tolist()
-            self._check_prediction(load.step, feedback.measured_rank_us())
+            if self._initial is None:
+                self._initial = load.committed
+            initial = predict_rank_us(self._initial, per_step, self.num_ranks, self.model)
+            self._check_prediction(
+                load.step, feedback.measured_rank_us(), float(initial.sum(axis=0).max()) / 1e3
+            )
         if self._pending is not None:
             verdict = self._judge(load)
             if verdict is not None:
@@ -127,8 +140,11 @@ class PaybackGate:
             return self._keep(load, "no load recorded in this window")
         return self._choose(load, per_step, policy_plan)
 
-    def _check_prediction(self, step: int, measured_us: list[float] | None) -> None:
-        """Set the busiest rank's predicted expert time against what the window measured."""
+    def _check_prediction(
+        self, step: int, measured_us: list[float] | None, initial: float | None
+    ) -> None:
+        """Set the busiest rank's predicted expert time against what the window measured
+        (``initial``: what the placement the engine started with is predicted to take)."""
         if measured_us is None or len(measured_us) != self.num_ranks:
             self.measured_rank_ms = None
             return
@@ -141,6 +157,7 @@ class PaybackGate:
                     "predicted_busiest_ms": predicted,
                     "measured_busiest_ms": measured,
                     "error": (predicted - measured) / measured,
+                    "predicted_busiest_ms_initial": initial,
                 }
             )
 
@@ -174,6 +191,7 @@ class PaybackGate:
         if after.mean_step_us > before.mean_step_us * (1 + SLOWER_TOLERANCE):
             self.counts["rollbacks"] += 1
             self.margin = min(MAX_MARGIN, self.margin * 2)
+            self._refused.append(pending.plan)
             self._pending = _Pending(pending.before, load.committed, feedback.epoch_index, True)
             self._copies_applied += int(
                 transfers_needed(load.committed, pending.before, self.num_ranks).sum()
@@ -215,6 +233,8 @@ class PaybackGate:
         }
         if torch.equal(plan, committed) or predicted >= now:
             return self._keep(load, "no placement is predicted faster", **figures)
+        if any(torch.equal(plan, refused) for refused in self._refused):
+            return self._keep(load, "this plan made steps slower before", **figures)
         if self.min_gain_percent and (now - predicted) < now * self.min_gain_percent / 100:
             return self._keep(load, "predicted gain below min_gain_percent", **figures)
         if (now - predicted) * self.step_interval <= self.margin * copies * copy_us:
@@ -235,6 +255,8 @@ class PaybackGate:
     def _copy_cost_us(self) -> float:
         if self.copy_us is not None:
             return self.copy_us
+        if self.copy_bytes:
+            return self.copy_bytes / PRIOR_BYTES_PER_US
         return PRIOR_COPY_READS * max(self.model.read_us, self.model.row_us, 1.0)
 
     # -- the record ------------------------------------------------------------------------------

@@ -40,7 +40,8 @@ class PolicyPlanner:
 
     ``rearrange="when_it_pays"`` hands the decision to a :class:`PaybackGate` (the policy's plan
     is one candidate; the placement packed by predicted time is another), which needs
-    ``max_replicas`` (the lookup width) and ``step_interval`` (the horizon a plan must repay in).
+    ``max_replicas`` (the lookup width), ``step_interval`` (the horizon a plan must repay in) and
+    ``copy_bytes`` (one expert copy's bytes: the prior cost of a move).
 
     A policy that takes a ``previous_weight`` keyword (``churn_aware``) also gets the load of the
     window this planner saw before, so it can measure how much popularity drifts between
@@ -59,6 +60,7 @@ class PolicyPlanner:
     rearrange: str = "always"
     max_replicas: int | None = None
     step_interval: int = 3000
+    copy_bytes: int = 0
     gate: PaybackGate | None = field(default=None, init=False, repr=False)
     _takes_history: bool = field(default=False, init=False, repr=False)
     _latest_step: int | None = field(default=None, init=False, repr=False)
@@ -81,6 +83,7 @@ class PolicyPlanner:
                 self.max_replicas or self.num_replicas,
                 self.step_interval,
                 self.min_gain_percent,
+                self.copy_bytes,
             )
         signature = inspect.signature(policy).parameters
         self._takes_history = HISTORY_OPTION in signature

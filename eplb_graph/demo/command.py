@@ -77,6 +77,13 @@ def add_parser(commands) -> argparse.ArgumentParser:
         help="rebalance policy ('random' is a test policy)",
     )
     option(
+        "--rearrange",
+        choices=("always", "when_it_pays"),
+        default=defaults.rearrange,
+        help="always: apply every plan (the demo's default, to show movement); when_it_pays: "
+        "only plans the expert cost model predicts repay their move (vLLM's default)",
+    )
+    option(
         "--window-size",
         type=int,
         default=defaults.window_size,
@@ -127,6 +134,7 @@ def options_from_args(args: argparse.Namespace, ranks: int | None = None) -> Dem
         redundant=args.redundant,
         weight_format=args.weight_format,
         policy=args.policy,
+        rearrange=args.rearrange,
         window_size=args.window_size,
         step_interval=args.step_interval,
         layers_per_step=args.layers_per_step,

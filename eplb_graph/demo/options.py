@@ -60,6 +60,7 @@ class DemoOptions:
     redundant: int = 8
     weight_format: str = "unquantized"
     policy: str = "default"
+    rearrange: str = "always"
     window_size: int = 20
     step_interval: int = 60
     layers_per_step: int = 1
@@ -104,6 +105,10 @@ class DemoOptions:
             get_policy(self.policy)
         except UnknownPolicyError as error:
             raise DemoOptionError(f"--policy: {error}") from None
+        if self.rearrange not in ("always", "when_it_pays"):
+            raise DemoOptionError(
+                f"--rearrange must be 'always' or 'when_it_pays', got {self.rearrange!r}"
+            )
         if (
             not self.buckets
             or any(not isinstance(size, int) or size < 1 for size in self.buckets)

@@ -100,6 +100,7 @@ def run_rank(rank: int, world_size: int, options: DemoOptions) -> dict | None:
             window_size=options.window_size,
             step_interval=options.step_interval,
             policy=options.policy,
+            rearrange=options.rearrange,
         ),
         groups,
         rank,
@@ -238,6 +239,9 @@ def run_rank(rank: int, world_size: int, options: DemoOptions) -> dict | None:
         "weights_exact": int(summed[7]) == 0,
         "vetoes": movement["vetoes"],
         "commit_steps": commit_steps,
+        # rearrange=when_it_pays: the control plane's cost model and decisions (the same
+        # implementation the vLLM plugin runs), as rank 0's planner saw them.
+        "cost_model": getattr(getattr(runtime.planner, "gate", None), "published", None),
         "options": {
             k: (list(v) if isinstance(v, tuple) else v)
             for k, v in dataclasses.asdict(options).items()

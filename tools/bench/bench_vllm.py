@@ -24,9 +24,12 @@ state never leaks between engines. ``--quick`` uses eager engines and fewer step
     python tools/bench/bench_vllm.py [--quick] [--json PATH]
     python tools/bench/bench_vllm.py --benefit [--quick] [--json PATH]
 
-``--benefit`` measures what EPLB gains instead (tools/bench/vllm_benefit.py): decode throughput,
-TPOT, TTFT and the busiest rank's expert time with EPLB on against off, on a model whose experts
-dominate a step, with a Zipf-skewed router and a uniform one.
+``--benefit`` measures what EPLB gains instead (tools/bench/vllm_benefit.py): the benefit curve,
+decode throughput, TPOT and the busiest rank's expert time with EPLB on against off at every
+batch size of ``--batch`` (default 8,24,64,256), on two model shapes, skewed and uniform routers,
+with the cost model's predicted busiest-rank time against the measured one.
+
+    python tools/bench/bench_vllm.py --benefit [--batch 8,24,64,256] [--always] [--plot PNG]
 """
 
 from __future__ import annotations
@@ -214,95 +217,155 @@ def in_flight(root: Path, model: Path, args) -> dict:
 
 
 MIN_GAIN_PERCENT = 5
-"""The EPLB-on engine applies a plan only if it cuts the busiest rank's load by 5%: later
-windows of a steady load re-plan on noise, and each move costs a rank's only core."""
-BENEFIT_GOALS = {"skewed_decode": 1.25, "uniform_decode": 0.98, "measured_over_predicted": 0.8}
+"""The ``always`` engine (``--always``) applies a plan only if it cuts the busiest rank's load by
+5%, as the benefit benchmark's EPLB engine did before the cost model."""
+BENEFIT_GOALS = {
+    "decode_ratio_min": 0.99,
+    "skewed_best": 1.40,
+    "skewed_rows_dominate_from_64": 1.15,
+    "prediction_error_max": 0.15,
+}
+SHAPES = {
+    "wide": {
+        "model": {
+            "hidden_size": 1024, "num_layers": 4, "num_experts": 64, "top_k": 8,
+            "moe_intermediate_size": 512,
+        },
+        "routers": {
+            "skewed": {"router_zipf": 1.2, "hot_experts": ()},
+            "uniform": {"router_zipf": 0.0, "hot_experts": ()},
+        },
+    },
+    "small": {
+        "model": {
+            "hidden_size": 512, "num_layers": 3, "num_experts": 32, "top_k": 4,
+            "moe_intermediate_size": 1024,
+        },
+        "routers": {
+            # Experts 8-15: on rank 0, and not among the 8 that the default layout replicates.
+            "skewed": {"router_zipf": None, "hot_experts": tuple(range(8, 16))},
+            "uniform": {"router_zipf": None, "hot_experts": ()},
+        },
+    },
+}  # fmt: skip
+REDUNDANT = 8
 
 
 def benefit(root: Path, args) -> dict:
-    """EPLB on against off on an experts-dominated model, skewed and uniform routers."""
+    """EPLB on against off, every batch size of the curve, per shape and router."""
     from vllm_benefit import summarize
 
     from eplb_graph.models.tiny_qwen3_moe import write_tiny_qwen3_moe
 
-    inter = args.intermediate or 512
-    prompts = args.prompts or 256
-    tokens, calls = (16, 2) if args.quick else (32, 6)
+    default_batches = "8,64" if args.quick else "8,24,64,256"
+    batches = sorted(int(b) for b in (args.batch or default_batches).split(","))
+    tokens, calls, warmup = (16, 2, 3) if args.quick else (32, 4, 4)
     report = {
-        "shape": {
-            "hidden": 1024, "layers": 4, "experts": 64, "top_k": 8, "moe_intermediate": inter,
-            "dtype": "bfloat16", "redundant": 8, "prompts": prompts, "decode_tokens": tokens,
-            "zipf_exponent": 1.2, "min_gain_percent_on": MIN_GAIN_PERCENT,
-        },
         "mode": "eager" if args.quick else "compiled",
+        "batches": batches,
+        "decode_tokens": tokens,
+        "calls_per_engine": calls,
+        "warmup_calls": warmup,
+        "redundant": REDUNDANT,
         "goals": BENEFIT_GOALS,
-    }  # fmt: skip
-    routers = {"skewed": 1.2, "uniform": 0.0}
-    for router in args.routers.split(","):
-        exponent = routers[router]
-        model = write_tiny_qwen3_moe(
-            root / f"benefit-{router}",
-            hidden_size=1024,
-            num_layers=4,
-            num_experts=64,
-            top_k=8,
-            moe_intermediate_size=inter,
-            router_zipf=exponent,
-            hot_experts=(),
-            dtype="bfloat16",
-        )
-        metrics = {name: str(root / f"benefit-{router}-{name}") for name in ("off", "on")}
-
-        def engine(name: str, window: int, interval: int, gain: int, metrics=metrics) -> dict:
-            llm = engine_kwargs(
-                eplb={
-                    "eplb_config": {
-                        "window_size": window,
-                        "step_interval": interval,
-                        "num_redundant_experts": 8,
-                    },
-                    "additional_config": {
-                        "eplb_graph": {"metrics_path": metrics[name], "min_gain_percent": gain}
-                    },
-                },
-                eager=args.quick,
+        "shapes": {name: shape["model"] for name, shape in SHAPES.items()},
+        "curves": {},
+    }
+    for shape_name in args.shapes.split(","):
+        shape = SHAPES[shape_name]
+        for router in args.routers.split(","):
+            key = f"{shape_name}/{router}"
+            model = write_tiny_qwen3_moe(
+                root / f"benefit-{shape_name}-{router}",
+                dtype="bfloat16",
+                **shape["model"],
+                **shape["routers"][router],
             )
-            llm.update(
-                dtype="bfloat16", max_num_seqs=prompts, max_num_batched_tokens=max(512, prompts)
-            )
-            return llm
+            names = ["off", "on", *(["always"] if args.always else [])]
+            metrics = {name: str(root / f"benefit-{shape_name}-{router}-{name}") for name in names}
 
-        spec = {
-            "kind": "benefit",
-            "model": str(model),
-            "engines": {
-                "off": engine("off", 10**6, 10**6, 0),
-                "on": engine("on", 32, 64, MIN_GAIN_PERCENT),
-            },
-            "metrics": metrics,
-            "prompts": prompts,
-            "tokens": tokens,
-            "calls": calls,
-            "max_warmup_calls": 12,
-            "min_rearrangements": 1,
-        }
-        result = summarize(run_engine(root, f"benefit-{router}", spec), tokens, prompts)
-        report[router] = result
-        on, off = result["engines"]["on"], result["engines"]["off"]
-        print(
-            f"  {router}: decode {on['decode_tokens_per_s']:.1f} vs "
-            f"{off['decode_tokens_per_s']:.1f} tok/s ({result['decode_speedup']:.3f}x), decode "
-            f"step {on['decode_step_ms']:.1f} vs {off['decode_step_ms']:.1f} ms "
-            f"({result['decode_step_speedup']:.3f}x); "
-            f"busiest rank's expert ms "
-            f"{max(on['expert_ms_per_rank']):.2f} vs {max(off['expert_ms_per_rank']):.2f} "
-            f"(measured {result['expert_speedup_measured']}, counts predict "
-            f"{result['expert_speedup_predicted_by_counts']}); balancedness measured "
-            f"{on['balancedness_measured']} vs {off['balancedness_measured']}, counts "
-            f"{on['balancedness_counts']} vs {off['balancedness_counts']}; "
-            f"{on['rearrangements']} rearrangements"
-        )
+            def engine(name: str, metrics=metrics) -> dict:
+                never = name == "off"
+                section = {"metrics_path": metrics[name]}
+                if name == "always":
+                    section.update(rearrange="always", min_gain_percent=MIN_GAIN_PERCENT)
+                llm = engine_kwargs(
+                    eplb={
+                        "eplb_config": {
+                            "window_size": 10**6 if never else 32,
+                            "step_interval": 10**6 if never else 64,
+                            "num_redundant_experts": REDUNDANT,
+                        },
+                        "additional_config": {"eplb_graph": section},
+                    },
+                    eager=args.quick,
+                )
+                llm.update(
+                    dtype="bfloat16",
+                    max_num_seqs=max(batches),
+                    max_num_batched_tokens=max(512, max(batches)),
+                )
+                return llm
+
+            spec = {
+                "kind": "benefit",
+                "model": str(model),
+                "engines": {name: engine(name) for name in names},
+                "metrics": metrics,
+                "batches": batches,
+                "tokens": tokens,
+                "calls": calls,
+                "warmup_calls": warmup,
+            }
+            curve = summarize(run_engine(root, f"benefit-{shape_name}-{router}", spec), tokens)
+            report["curves"][key] = curve
+            for row in curve:
+                for name in names[1:]:
+                    ratios, figures = row[name], row["engines"][name]
+                    prediction = figures.get("prediction") or {}
+                    print(
+                        f"  {key} {row['batch']:>4} seq {name:>6}: decode "
+                        f"{figures['decode_tokens_per_s']:.0f} vs "
+                        f"{row['engines']['off']['decode_tokens_per_s']:.0f} tok/s "
+                        f"({ratios['decode_speedup']:.3f}x); expert busiest "
+                        f"{_fmt(figures['busiest_expert_ms'])} vs "
+                        f"{_fmt(row['engines']['off']['busiest_expert_ms'])} ms "
+                        f"(measured {_fmt(ratios['expert_speedup_measured'])}x, predicted "
+                        f"{_fmt(ratios['expert_speedup_predicted'])}x); prediction error "
+                        f"{_fmt(prediction.get('error'))}; "
+                        f"{ratios['rearrangements']} rearrangements, "
+                        f"{ratios['rollbacks']} rollbacks",
+                        flush=True,
+                    )
+    report["verdict"] = _benefit_verdict(report)
     return report
+
+
+def _fmt(value) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
+def _benefit_verdict(report: dict) -> dict:
+    """The goals of the benefit curve, judged on the ``on`` engines (vLLM's default)."""
+    ratios, errors, skewed_wide, skewed_from_64 = [], [], [], []
+    for key, curve in report["curves"].items():
+        for row in curve:
+            ratios.append((key, row["batch"], row["on"]["decode_speedup"]))
+            if row["on"]["prediction_error"] is not None:
+                errors.append((key, row["batch"], row["on"]["prediction_error"]))
+            if key == "wide/skewed":
+                skewed_wide.append(row["on"]["decode_speedup"])
+                if row["batch"] >= 64:
+                    skewed_from_64.append(row["on"]["decode_speedup"])
+    goals = report["goals"]
+    return {
+        "worst_decode_ratio": min(ratios, key=lambda r: r[2]) if ratios else None,
+        "never_slower": all(r[2] >= goals["decode_ratio_min"] for r in ratios),
+        "skewed_best": max(skewed_wide, default=None),
+        "skewed_from_64_min": min(skewed_from_64, default=None),
+        "largest_prediction_error": max(errors, key=lambda e: abs(e[2])) if errors else None,
+        "prediction_within": all(abs(e[2]) <= goals["prediction_error_max"] for e in errors),
+    }
 
 
 def main() -> None:
@@ -310,13 +373,21 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="eager engines, fewer steps")
     parser.add_argument("--json", type=Path, help="write the report here")
     parser.add_argument(
-        "--prompts", type=int, help="--benefit: concurrent sequences (the decode batch)"
+        "--batch", help="--benefit: concurrent sequences, comma-separated (default 8,24,64,256)"
     )
     parser.add_argument(
-        "--intermediate", type=int, help="--benefit: the experts' intermediate size"
+        "--shapes", default="wide,small", help="--benefit: which model shapes to run"
     )
     parser.add_argument(
         "--routers", default="skewed,uniform", help="--benefit: which routers to run"
+    )
+    parser.add_argument(
+        "--always",
+        action="store_true",
+        help="--benefit: also an engine with rearrange=always (the behaviour before the model)",
+    )
+    parser.add_argument(
+        "--plot", type=Path, help="--benefit: write the curve as a PNG here (needs matplotlib)"
     )
     parser.add_argument(
         "--benefit",
@@ -336,6 +407,12 @@ def main() -> None:
             report = {"quick": args.quick, "loadavg_start": os.getloadavg()}
             report["benefit"] = benefit(Path(folder), args)
             report["loadavg_end"] = os.getloadavg()
+            print(f"  verdict: {json.dumps(report['benefit']['verdict'])}")
+            if args.plot is not None:
+                from vllm_benefit import plot
+
+                if plot(report["benefit"], args.plot):
+                    print(f"  plot: {args.plot}")
             write_report(args.json, report)
         return
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as folder:

@@ -1,24 +1,31 @@
-"""``bench_vllm.py --benefit``: does EPLB make a vLLM engine faster when experts dominate a step?
+"""``bench_vllm.py --benefit``: what EPLB gains on a vLLM engine, batch size by batch size.
 
-A Qwen3-MoE written by ``eplb_graph.models.tiny_qwen3_moe`` (full: hidden 1024, 4 layers, 64
-experts, top-8, expert intermediate 512, bf16; quick: intermediate 256, eager), its router skewed
-by a Zipf-ranked popularity (exponent 1.2, hottest experts 0, 1, 2, ... all on EP rank 0 under
-the default placement), and the same shape with a uniform router (the no-harm case). For each
-router two engines in one process, taking turns (ABBA), TP=2 + EP, 8 redundant slots both:
+Two model shapes (``eplb_graph.models.tiny_qwen3_moe``, bf16, TP=2 + EP, 8 redundant slots):
 
-- **off**: EPLB enabled with window = interval = 10**6 (it never rearranges: the default layout,
-  with the same metrics files, so both sides are measured by the same clock);
-- **on**: EPLB rearranging (window 32, interval 64 steps, asynchronous), warmed up until it has
-  committed a rearrangement.
+- **wide**: hidden 1024, 4 layers, 64 experts, top-8, expert intermediate 512 (rows dominate a
+  rank's expert time from a few dozen sequences on); router skewed by a Zipf ranking (exponent
+  1.2, experts 0, 1, 2, ... hottest, all on EP rank 0 under the default placement), or uniform;
+- **small**: hidden 512, 3 layers, 32 experts, top-4, expert intermediate 1024 (a rank's expert
+  time is its active experts' weight reads at decode batch sizes); router skewed toward experts
+  8-15 (all on EP rank 0, none replicated by the default layout), or uniform.
 
-Each rank computes only its own rows (``torch.ops.eplb_graph.vllm_local_experts``), so the
-placement decides the busiest rank's work. Reported per engine: decode throughput (tokens/s over
-timed calls of prefill + decode), the decode step time alone (a call's time less a prefill-only
-call's, per later token), TPOT p50/p99 (per-step serving time from the rank files), TTFT of a
-prefill batch,
-each rank's median expert ms per step and rows computed, the measured balancedness (mean / max of
-per-rank expert ms), the count balancedness, and the speedup the counts predict (busiest rank's
-rows off / on).
+For each shape and router one process holds the engines, which take turns:
+
+- **off**: EPLB that never rearranges (window = interval = 10**6: the default layout, measured
+  by the same clocks);
+- **on**: EPLB with vLLM's default ``rearrange="when_it_pays"`` (window 32, interval 64 steps,
+  asynchronous): a plan is applied only when the cost model predicts it repays its move;
+- **always** (``--always``): the same, with ``rearrange="always"`` and ``min_gain_percent`` 5:
+  what eplb-graph did before the cost model.
+
+The batch sizes run in ascending order on the same engines (as load grows on a server): per
+batch, every engine is warmed up (the EPLB engines for two or more windows at that batch), then
+timed in turns (ABBA) on calls of prefill + ``tokens`` decode steps and on prefill-only calls.
+Per batch and engine: decode throughput, TPOT p50/p99 (the decode steps' serving time, from the
+rank files), each rank's mean expert ms per step (the op's own clock), rearrangements and
+rollbacks; for the EPLB engines also the cost model's predicted busiest-rank expert ms against
+the measured one over each window that closed while the batch was timed, and the speedup the
+model predicts over the starting layout.
 """
 
 from __future__ import annotations
@@ -49,86 +56,168 @@ def _rank_files(folder: Path) -> list[dict]:
 
 
 def benefit_main(spec: dict, out_path: str) -> None:
-    """Child process: both engines of one router, warmed up, then timed in turns."""
+    """Child process: the engines of one shape and router, every batch size in turn."""
     from vllm import LLM, SamplingParams
 
     engines = {name: LLM(model=spec["model"], **llm) for name, llm in spec["engines"].items()}
     folders = {name: Path(folder) for name, folder in spec["metrics"].items()}
-    prompts = _prompts(spec["prompts"])
+    names = list(engines)
     decode = SamplingParams(
         max_tokens=spec["tokens"], temperature=0, detokenize=False, ignore_eos=True
     )
     prefill = SamplingParams(max_tokens=1, temperature=0, detokenize=False, ignore_eos=True)
-    for engine in engines.values():
-        engine.generate(prompts, decode, use_tqdm=False)
-    for _ in range(spec["max_warmup_calls"]):  # until the EPLB-on engine has rearranged
-        files = _rank_files(folders["on"])
-        if files and min(f.get("rearrangements", 0) for f in files) >= spec["min_rearrangements"]:
-            break
-        engines["on"].generate(prompts, decode, use_tqdm=False)
-    time.sleep(2.5)  # let the rank files catch up (rewritten at least every 2 s of serving)
-    before = {name: _rank_files(folder) for name, folder in folders.items()}
-    seconds: dict[str, list[float]] = {name: [] for name in engines}
-    ttft: dict[str, list[float]] = {name: [] for name in engines}
-    names = list(engines)
-    for call in range(spec["calls"]):
-        for name in names if call % 2 == 0 else reversed(names):
-            started = time.perf_counter()
-            engines[name].generate(prompts, decode, use_tqdm=False)
-            seconds[name].append(time.perf_counter() - started)
-            started = time.perf_counter()
-            engines[name].generate(prompts, prefill, use_tqdm=False)
-            ttft[name].append(time.perf_counter() - started)
-    time.sleep(2.5)
-    after = {name: _rank_files(folder) for name, folder in folders.items()}
-    Path(out_path).write_text(
-        json.dumps({"seconds": seconds, "ttft": ttft, "before": before, "after": after})
-    )
+    batches = []
+    for batch in spec["batches"]:
+        prompts = _prompts(batch)
+        start = {name: _rank_files(folder) for name, folder in folders.items()}
+        for name, engine in engines.items():
+            calls = 1 if name == "off" else spec["warmup_calls"]
+            for _ in range(calls):
+                engine.generate(prompts, decode, use_tqdm=False)
+        time.sleep(2.5)  # the rank files are rewritten at least every 2 s of serving
+        before = {name: _rank_files(folder) for name, folder in folders.items()}
+        seconds: dict[str, list[float]] = {name: [] for name in engines}
+        ttft: dict[str, list[float]] = {name: [] for name in engines}
+        for call in range(spec["calls"]):
+            for name in names if call % 2 == 0 else reversed(names):
+                started = time.perf_counter()
+                engines[name].generate(prompts, decode, use_tqdm=False)
+                seconds[name].append(time.perf_counter() - started)
+                started = time.perf_counter()
+                engines[name].generate(prompts, prefill, use_tqdm=False)
+                ttft[name].append(time.perf_counter() - started)
+        time.sleep(2.5)
+        after = {name: _rank_files(folder) for name, folder in folders.items()}
+        batches.append(
+            {
+                "batch": batch,
+                "seconds": seconds,
+                "ttft": ttft,
+                "start": start,
+                "before": before,
+                "after": after,
+            }
+        )
+    Path(out_path).write_text(json.dumps({"batches": batches}))
 
 
-def summarize(result: dict, tokens: int, prompts: int) -> dict:
-    """Per engine figures and the on/off ratios (see the module docstring)."""
-    engines = {}
-    for name, seconds in result["seconds"].items():
-        after, before = result["after"][name], result["before"][name]
-        rows = [
-            a.get("expert_rows", 0) - b.get("expert_rows", 0)
-            for a, b in zip(after, before, strict=True)
-        ]
-        expert = [(a.get("expert_ms") or {}).get("p50") or 0.0 for a in after]
-        steps = [a["step_ms"]["idle"] for a in after]
-        busiest = max(expert) if expert else 0.0
-        call_s, prefill_s = statistics.median(seconds), statistics.median(result["ttft"][name])
-        engines[name] = {
-            "decode_tokens_per_s": prompts * tokens / call_s,
-            # A call's time less a prefill-only call's, per later token: the decode steps alone.
-            "decode_step_ms": 1e3 * (call_s - prefill_s) / max(1, tokens - 1),
-            "tpot_ms": {"p50": steps[0].get("p50"), "p99": steps[0].get("p99")},
-            "ttft_ms": 1e3 * statistics.median(result["ttft"][name]),
-            "expert_ms_per_rank": expert,
-            "expert_rows_per_rank": rows,
-            "balancedness_measured": sum(expert) / len(expert) / busiest if busiest else None,
-            "balancedness_counts": sum(rows) / len(rows) / max(rows)
-            if max(rows, default=0)
-            else None,
-            "rearrangements": after[0].get("rearrangements", 0),
-        }
-    on, off = engines["on"], engines["off"]
-    predicted = (
-        max(off["expert_rows_per_rank"]) / max(on["expert_rows_per_rank"])
-        if max(on["expert_rows_per_rank"], default=0)
-        else None
-    )
-    measured = (
-        max(off["expert_ms_per_rank"]) / max(on["expert_ms_per_rank"])
-        if max(on["expert_ms_per_rank"], default=0)
-        else None
-    )
-    return {
-        "engines": engines,
-        "decode_speedup": on["decode_tokens_per_s"] / off["decode_tokens_per_s"],
-        "decode_step_speedup": off["decode_step_ms"] / on["decode_step_ms"],
-        "expert_speedup_measured": measured,
-        "expert_speedup_predicted_by_counts": predicted,
-        "measured_over_predicted": measured / predicted if measured and predicted else None,
+def _percentile(values: list[float], share: float) -> float | None:
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
+
+
+def _engine_figures(name: str, run: dict, tokens: int) -> dict:
+    after, before, start = run["after"][name], run["before"][name], run["start"][name]
+    expert_ms = []
+    for a, b in zip(after, before, strict=True):
+        steps = a.get("expert_steps", 0) - b.get("expert_steps", 0)
+        total = a.get("expert_ms_total", 0.0) - b.get("expert_ms_total", 0.0)
+        expert_ms.append(total / steps if steps else None)
+    decode_steps = after[0].get("decode_steps", 0) - before[0].get("decode_steps", 0)
+    recent = after[0].get("decode_step_ms_recent", [])
+    timed_steps = recent[-decode_steps:] if decode_steps else []
+    call_s = statistics.median(run["seconds"][name])
+    prefill_s = statistics.median(run["ttft"][name])
+    gate = after[0].get("cost_model") or {}
+    gate_start = (start[0].get("cost_model") or {}) if start else {}
+    checks = [
+        entry
+        for entry in gate.get("accuracy") or []
+        if before[0].get("steps", 0) < entry["step"] <= after[0].get("steps", 0)
+    ]
+    figures = {
+        "decode_tokens_per_s": run["batch"] * tokens / call_s,
+        "decode_step_ms": 1e3 * (call_s - prefill_s) / max(1, tokens - 1),
+        "tpot_ms": {
+            "p50": _percentile(timed_steps, 0.5),
+            "p99": _percentile(timed_steps, 0.99),
+            "steps": len(timed_steps),
+        },
+        "ttft_ms": 1e3 * prefill_s,
+        "expert_ms_per_rank": expert_ms,
+        "busiest_expert_ms": max((m for m in expert_ms if m is not None), default=None),
+        "rearrangements": after[0].get("rearrangements", 0)
+        - (start[0].get("rearrangements", 0) if start else 0),
+        "rearrangements_total": after[0].get("rearrangements", 0),
+        "rollbacks": gate.get("rollbacks", 0) - gate_start.get("rollbacks", 0),
+        "rearrange": after[0].get("rearrange"),
     }
+    if checks:
+        predicted = statistics.median(c["predicted_busiest_ms"] for c in checks)
+        measured = statistics.median(c["measured_busiest_ms"] for c in checks)
+        initial = statistics.median(c["predicted_busiest_ms_initial"] for c in checks)
+        figures["prediction"] = {
+            "windows": len(checks),
+            "predicted_busiest_ms": predicted,
+            "measured_busiest_ms": measured,
+            "error": (predicted - measured) / measured,
+            "predicted_speedup_over_start": initial / predicted if predicted else None,
+        }
+    if gate:
+        figures["cost_model"] = gate.get("model")
+        figures["copy_ms"] = gate.get("copy_ms")
+        figures["decisions"] = [
+            d
+            for d in gate.get("decisions") or []
+            if d["step"] > (start[0].get("steps", 0) if start else 0)
+        ]
+    return figures
+
+
+def summarize(result: dict, tokens: int) -> list[dict]:
+    """Per batch: every engine's figures and the on/off ratios (see the module docstring)."""
+    rows = []
+    for run in result["batches"]:
+        engines = {name: _engine_figures(name, run, tokens) for name in run["seconds"]}
+        off = engines["off"]
+        row = {"batch": run["batch"], "engines": engines}
+        for name, figures in engines.items():
+            if name == "off":
+                continue
+            busiest_on, busiest_off = figures["busiest_expert_ms"], off["busiest_expert_ms"]
+            row[name] = {
+                "decode_speedup": figures["decode_tokens_per_s"] / off["decode_tokens_per_s"],
+                "expert_speedup_measured": busiest_off / busiest_on
+                if busiest_on and busiest_off
+                else None,
+                "expert_speedup_predicted": (figures.get("prediction") or {}).get(
+                    "predicted_speedup_over_start"
+                ),
+                "prediction_error": (figures.get("prediction") or {}).get("error"),
+                "rearrangements": figures["rearrangements"],
+                "rollbacks": figures["rollbacks"],
+            }
+        rows.append(row)
+    return rows
+
+
+def plot(report: dict, path: Path) -> bool:
+    """Decode throughput on / off against the batch size, one line per shape and router."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    figure, axis = plt.subplots(figsize=(7, 4))
+    for key, curve in report["curves"].items():
+        for engine in ("on", "always"):
+            points = [(r["batch"], r[engine]["decode_speedup"]) for r in curve if engine in r]
+            if points:
+                style = "-o" if engine == "on" else ":x"
+                label = f"{key} ({'when_it_pays' if engine == 'on' else 'always'})"
+                axis.plot(*zip(*points, strict=True), style, label=label)
+    axis.axhline(1.0, color="grey", linewidth=0.8)
+    axis.axhline(0.99, color="grey", linewidth=0.5, linestyle="--")
+    axis.set_xscale("log", base=2)
+    axis.set_xlabel("concurrent sequences (decode batch)")
+    axis.set_ylabel("decode throughput, EPLB on / off")
+    axis.set_title("eplb-graph on vLLM CPU, TP=2 + EP")
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True

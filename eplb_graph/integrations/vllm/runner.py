@@ -41,6 +41,8 @@ logger = logging.getLogger(__name__)
 GROUP_RING_SIZE = 4
 GROUP_TIMEOUT_S = 60.0
 STEP_TIMES_KEPT = 4096
+RECENT_DECODE_STEPS = 512
+"""Decode step times kept in order in the metrics file (``decode_step_ms_recent``)."""
 STEPS_NOT_TIMED = 8
 """The first steps of an engine pay one-off costs (lazily compiled kernels, first allocations,
 seconds on a 2-rank CPU engine); they would dominate any percentile of serving step times."""
@@ -87,6 +89,13 @@ class VllmEplbAdapter:
         # placement version: what a better placement is for, measured where the work runs.
         self._expert_ns_seen = int(self.state.expert_stats[:, 1].sum())
         self._expert_seconds: deque[float] = deque(maxlen=STEP_TIMES_KEPT)
+        # Running totals and the newest decode step times, in order: what a caller diffs
+        # between two reads of the file to measure one period (a benchmark's batch size).
+        self._expert_total_s = 0.0
+        self._expert_steps = 0
+        self._decode_steps = 0
+        self._decode_recent: deque[float] = deque(maxlen=RECENT_DECODE_STEPS)
+        self._has_prefill = False
         self._expert_by_version: dict[int, deque[float]] = {}
         self._payback = PaybackLedger()
         self._finished_seen = 0  # rearrangements finished at the last timed step
@@ -116,8 +125,9 @@ class VllmEplbAdapter:
             self._calibrate()
         self._step_started = time.perf_counter()
         self._step_busy = self.runtime.busy
+        self._has_prefill = self._batch_has_prefill()
         self.runtime.begin_step(
-            has_prefill=self._batch_has_prefill(), num_valid_tokens=int(num_tokens_unpadded)
+            has_prefill=self._has_prefill, num_valid_tokens=int(num_tokens_unpadded)
         )
         self._hook_started = time.perf_counter() - self._step_started
         self._open = True
@@ -148,6 +158,11 @@ class VllmEplbAdapter:
             self._step_seconds[kind].append(ended - self._step_started)
             self._hook_seconds[kind].append(self._hook_started + ended - ending)
             expert_seconds = self._record_expert_time()
+            self._expert_total_s += expert_seconds
+            self._expert_steps += 1
+            if not self._has_prefill:
+                self._decode_steps += 1
+                self._decode_recent.append(ended - self._step_started)
             finished = self._finished()
             self._payback.step(
                 ended - self._step_started,
@@ -229,6 +244,10 @@ class VllmEplbAdapter:
             payback["net_ms"] = payback["saved_ms"] - payback["cost_ms"]
         return {
             "expert_ms": _summary(list(self._expert_seconds)),
+            "expert_ms_total": 1e3 * self._expert_total_s,
+            "expert_steps": self._expert_steps,
+            "decode_steps": self._decode_steps,
+            "decode_step_ms_recent": [round(1e3 * s, 3) for s in self._decode_recent],
             "expert_rows": int(self.state.expert_stats[:, 0].sum()),
             "payback": payback,
             "paybacks": self._payback.figures(),
