@@ -49,9 +49,9 @@ MIN_JUDGED_STEPS = 8
 """Decode steps needed on each side before a plan is judged."""
 COMPARABLE_TOKENS = 0.2
 """The two sides' mean tokens per step may differ by this share; beyond, no verdict."""
-PRIOR_BYTES_PER_US = 50.0
+PRIOR_BYTES_PER_US = 100.0
 """Before any rearrangement was measured, moving one expert copy is taken to cost serving 1 µs
-per 50 bytes of it (20 ms per MiB): it is staged, sent, received and installed on the cores
+per 100 bytes of it (10 ms per MiB): it is staged, sent, received and installed on the cores
 that serve, while steps run. Deliberately pessimistic (a first rearrangement is a gamble the
 measured cost then corrects); a plan that pays anyway pays by a wide margin."""
 PRIOR_COPY_READS = 100.0
