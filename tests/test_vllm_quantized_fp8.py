@@ -161,12 +161,13 @@ def test_fp8_rows_of_a_slot_with_at_most_4_rows_in_the_call_have_fixed_bits():
     """vLLM 0.32's FP8 W8A16 CPU kernel (``moe_fp8.cpp``, ``fused_experts_fp_kernel_impl``) sorts
     a call's rows by slot, in row order, into blocks of at most 32 rows of one slot, and runs
     each block, in both GEMMs, on one of two paths chosen by the block's row count
-    (``can_use_brgemm<Float8_e4m3fn>(m_size)``: more than 4). A block of 1-4 rows runs an
-    AVX-512 micro-kernel that computes each row in registers of its own (bf16 dot products
-    summed in fp32 per 128-wide K block, then times the block scale). So the bits of a row whose
-    slot has at most 4 rows in the call are a function of that row alone: neither the other
-    slots' rows (how many, which path they take, where they stand) nor its slot's other rows
-    change them."""
+    (more than 4: ``can_use_brgemm<Float8_e4m3fn>(m_size)``, read in the shipped ``_C`` binary;
+    also for an N block narrower than 32, which these shapes have none of). A block of 1-4 rows
+    runs an AVX-512 micro-kernel that computes each row in registers of its own (bf16 dot
+    products summed in fp32 per 128-wide K block, then times the block scale). So the bits of a
+    row whose slot has at most 4 rows in the call are a function of that row alone: neither the
+    other slots' rows (how many, which path they take, where they stand) nor its slot's other
+    rows change them."""
     *_, s13, s2, p13, p2 = _fp8_experts(6)
     gen = torch.Generator().manual_seed(6)
     probe = torch.randn(4, H, generator=gen).to(torch.bfloat16)
