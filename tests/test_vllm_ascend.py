@@ -114,12 +114,17 @@ def test_a_changed_name_parameter_or_call_is_reported(ascend_sources):
     changed[experts_module] = changed[experts_module].replace(
         "_record_v2_eplb_load(self.router", "_record_load(self.router"
     )
+    worker_module = "vllm_ascend.worker.worker"
+    changed[worker_module] = changed[worker_module].replace(
+        "def shutdown(self) -> None:", "def close(self) -> None:"
+    )
     del changed["vllm_ascend.worker.v2.eplb"]
     problems = "\n".join(fact_problems(changed.get))
     assert "_ascend_apply_eplb_mapping has parameters ['self', 'ids']" in problems
     assert "forward_impl no longer mentions ['_record_v2_eplb_load']" in problems
     assert "module vllm_ascend.worker.v2.eplb is missing" in problems
-    assert len(fact_problems(changed.get)) == 2 + 3  # the three controller rows
+    assert "vllm_ascend.worker.worker.NPUWorker.shutdown is missing" in problems
+    assert len(fact_problems(changed.get)) == 3 + 3  # the three controller rows
 
 
 def test_the_upstream_vllm_facts_hold_in_the_installed_vllm():
@@ -139,6 +144,57 @@ def test_the_attach_refuses_another_release_with_one_message(monkeypatch, ascend
         facts.check_vllm_ascend()  # the vLLM rows are not in the vllm-ascend sdist
     assert str(refused.value).count("module vllm.") == len(UPSTREAM_FACTS)
     assert "Install vllm-ascend 0.30.0rc2" in str(refused.value)
+
+
+def test_the_pinned_workers_own_shutdown_closes_eplb_graph_first_once_wrapped(ascend_sources):
+    """The release's ``NPUWorker.shutdown``, compiled from the sdist as written, wrapped by the
+    attach: eplb-graph's controller is closed before the worker shuts its runner down; a runner
+    without eplb-graph's controller is left alone (the gloo ranks test the real close)."""
+    import ast
+    import textwrap
+    from types import SimpleNamespace
+
+    from eplb_graph.integrations import vllm_ascend
+    from eplb_graph.integrations.vllm_ascend.controller import EplbGraphController
+    from tests.vllm_ascend_fakes import FakeModelRunner, fake_vllm_config
+
+    source = ascend_sources["vllm_ascend.worker.worker"]
+    worker_class = next(
+        node
+        for node in ast.parse(source).body
+        if isinstance(node, ast.ClassDef) and node.name == "NPUWorker"
+    )
+    method = next(n for n in worker_class.body if getattr(n, "name", None) == "shutdown")
+    namespace: dict = {"ensure_kv_transfer_shutdown": None}  # no KV transfer configured
+    exec(textwrap.dedent(ast.get_source_segment(source, method)), namespace)
+    module = types.ModuleType("pinned_worker")
+    module.NPUWorker = type("NPUWorker", (), {"shutdown": namespace["shutdown"]})
+    vllm_ascend._wrap_worker_shutdown(module)
+    wrapped = module.NPUWorker.shutdown
+    vllm_ascend._wrap_worker_shutdown(module)  # idempotent
+    assert module.NPUWorker.shutdown is wrapped
+
+    class Adapter:  # VllmEplbAdapter's close: once
+        closed = False
+        closes = 0
+
+        def close(self):
+            self.closes += 1
+            self.closed = True
+
+    config = fake_vllm_config(4, 2, 2, use_async=True)
+    controller = EplbGraphController(config.parallel_config, "cpu", None, vllm_config=config)
+    controller.state = Adapter()
+    worker = module.NPUWorker()
+    worker.profiler, worker.model_runner = None, FakeModelRunner(controller)
+    worker.shutdown()
+    assert worker.model_runner.shutdowns == [True]  # closed before the runner's shutdown
+    assert controller.state.closes == 1
+
+    other = module.NPUWorker()  # vllm-ascend's own controller: not eplb-graph's to close
+    other.profiler, other.model_runner = None, FakeModelRunner(SimpleNamespace(state=None))
+    other.shutdown()
+    assert other.model_runner.shutdowns == [False]
 
 
 # -- routing, with fakes --------------------------------------------------------------------------

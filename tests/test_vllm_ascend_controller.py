@@ -4,10 +4,13 @@ eplb-graph's controller stands where ``AscendEPLBController`` stands and is driv
 Runner V2's call sites (``set_batch_phase``, ``prepare_forward``, ``step``); the routers are fake
 vllm-ascend routers adapted to ``map_and_record``; the weights are W8A8 per-expert lists (what
 vllm-ascend builds on Model Runner V2 with EPLB) moved by eplb-graph's own movement plane.
+Serving ends as in vLLM's worker process: the worker's shutdown (wrapped by the attach), then the
+distributed environment destroyed.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 import types
@@ -23,7 +26,7 @@ from tests.distributed import run_ranks
 NUM_LOGICAL, REDUNDANT, LAYERS, STEPS = 4, 2, 2, 24
 
 
-def _serve(rank: int, world_size: int, use_async: bool) -> dict:
+def _serve(rank: int, world_size: int, use_async: bool, metrics_path: str) -> dict:
     from eplb_graph.integrations.vllm_ascend.controller import EplbGraphController, attach_to
     from eplb_graph.integrations.vllm_ascend.routing import install_recording_switch
     from eplb_graph.placement import Placement
@@ -39,7 +42,7 @@ def _serve(rank: int, world_size: int, use_async: bool) -> dict:
 
     per_rank = (NUM_LOGICAL + REDUNDANT) // world_size
     start = Placement.default(LAYERS, NUM_LOGICAL, REDUNDANT, world_size).phy2log
-    config = fake_vllm_config(NUM_LOGICAL, REDUNDANT, world_size, use_async)
+    config = fake_vllm_config(NUM_LOGICAL, REDUNDANT, world_size, use_async, metrics_path)
     controller = EplbGraphController(config.parallel_config, "cpu", None, vllm_config=config)
     layers = []
     for layer in range(LAYERS):
@@ -85,20 +88,83 @@ def _serve(rank: int, world_size: int, use_async: bool) -> dict:
         for index, layer in enumerate(layers)
         for s in range(per_rank)
     )
-    controller.close()
+    closed = _shut_down(controller)
     return {
         "version": version,
         "phy2log": phy2log.tolist(),
         "weights_ok": weights_ok,
         "routed_ok": routed_ok,
         "steps": controller.state.steps,
+        **closed,
     }
+
+
+def _shut_down(controller) -> dict:
+    """What vLLM's worker process does at the end: ``worker.shutdown()`` (the pinned release's,
+    wrapped by the attach; called twice here, as a second shutdown path may), then the
+    distributed environment destroyed, every process group with it."""
+    import logging
+
+    import torch.distributed as dist
+
+    from eplb_graph.integrations.vllm.metrics import rank_file
+    from tests.vllm_ascend_fakes import FakeModelRunner, NPUWorker
+
+    class Lines(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.INFO)
+            self.messages: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.messages.append(record.getMessage())
+
+    lines = Lines()
+    runner_logger = logging.getLogger("eplb_graph.integrations.vllm.runner")
+    runner_logger.addHandler(lines)
+    runner_logger.setLevel(logging.INFO)
+
+    vllm_ascend._wrap_worker_shutdown(sys.modules[NPUWorker.__module__])
+    adapter = controller.state
+    movement_worker = adapter.runtime.worker
+    path = rank_file(adapter.settings.metrics_path, adapter.ep_rank)
+    open_before = json.loads(path.read_text())["closed"]
+    runner = FakeModelRunner(controller)
+    worker = NPUWorker(runner)
+    worker.shutdown()
+    after_first = path.read_text()
+    worker.shutdown()  # a second shutdown closes nothing again
+    dist.destroy_process_group()  # vLLM's destroy_distributed_environment, after the worker's
+    return {
+        "open_before": open_before,
+        "worker_thread": None if movement_worker is None else movement_worker.alive,
+        "metrics": json.loads(path.read_text()),
+        "rewritten": path.read_text() != after_first,
+        "closing_lines": sum(m.startswith("eplb-graph closing on EP rank") for m in lines.messages),
+        "runner_shutdowns": runner.shutdowns,
+        "groups_destroyed": not dist.is_initialized(),
+    }
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """Each mode served once on 2 gloo ranks (sync, async), for the tests that read it."""
+    results: dict[bool, list] = {}
+
+    def serve(use_async: bool) -> list:
+        if use_async not in results:
+            metrics_path = str(tmp_path_factory.mktemp("metrics"))
+            results[use_async] = run_ranks(_serve, 2, use_async, metrics_path, timeout_s=240)
+        return results[use_async]
+
+    return serve
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
-def test_the_controller_rebalances_vllm_ascend_layers_and_moves_weights_with_scales(use_async):
-    results = run_ranks(_serve, 2, use_async, timeout_s=240)
+def test_the_controller_rebalances_vllm_ascend_layers_and_moves_weights_with_scales(
+    use_async, served
+):
+    results = served(use_async)
     assert results[0]["phy2log"] == results[1]["phy2log"]
     for result in results:
         assert result["version"] > 0  # rearranged at least once
@@ -107,6 +173,27 @@ def test_the_controller_rebalances_vllm_ascend_layers_and_moves_weights_with_sca
         assert result["steps"] == STEPS  # dummy runs are not steps
     for layer in results[0]["phy2log"]:
         assert layer.count(3) >= 2  # the hot expert got a second replica
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+def test_the_workers_shutdown_closes_the_runtime_once_before_the_groups_go(use_async, served):
+    """As on vLLM's CPU runner: the movement thread stopped, the final figures written with
+    ``closed: true`` (one closing line, no rewrite on a second shutdown), the runner shut down
+    after that, then the process groups destroyed."""
+    for rank, result in enumerate(served(use_async)):
+        assert result["open_before"] is False  # serving: the file said open
+        if use_async:
+            assert result["worker_thread"] is False  # started with the runtime, now stopped
+        else:
+            assert result["worker_thread"] is None  # sync: no thread
+        metrics = result["metrics"]
+        assert metrics["closed"] is True and metrics["closed_by"] == "worker", metrics
+        assert metrics["rank"] == rank and metrics["steps"] == STEPS
+        assert metrics["placement_version"] == result["version"]  # the final counts
+        assert result["closing_lines"] == 1 and result["rewritten"] is False
+        assert result["runner_shutdowns"] == [True, True]  # vllm-ascend's own shutdown still ran
+        assert result["groups_destroyed"]
 
 
 # -- install: patches only what vllm-ascend imports, only on request ------------------------------

@@ -6,7 +6,8 @@ and the MoE layer have ``__slots__`` of exactly the real attribute names, the ro
 has the real ``(self, topk_ids)`` signature, the quantization schemes return
 ``get_eplb_weight_views`` in the real order (per-expert lists on Model Runner V2 with EPLB, or
 stacked tensors), and the recording module records ``expert_tokens`` after compute as the real
-``_record_v2_eplb_load`` does.
+``_record_v2_eplb_load`` does; the worker's ``shutdown`` shuts its model runner down, and the
+runner keeps its controller as ``eplb``, as the real ones do.
 """
 
 from __future__ import annotations
@@ -187,7 +188,46 @@ def expert_of(layer: FakeRoutedExperts, slot: int) -> set[int]:
     return {int(views[i][slot].flatten()[0].item() - i) // 3 for i in range(len(views))}
 
 
-def fake_vllm_config(num_experts: int, redundant: int, ep_size: int, use_async: bool):
+class FakeModelRunner:
+    """Model Runner V2: keeps its EPLB controller as ``eplb`` (row ``NPUModelRunner.__init__``);
+    its ``shutdown`` (upstream's) notes whether eplb-graph was closed before it ran."""
+
+    __slots__ = ("eplb", "shutdowns")
+
+    def __init__(self, eplb) -> None:
+        self.eplb = eplb
+        self.shutdowns: list[bool] = []  # per call: was eplb-graph's adapter closed by then
+
+    def shutdown(self) -> None:
+        state = getattr(self.eplb, "state", None)
+        self.shutdowns.append(bool(getattr(state, "closed", False)))
+
+
+class NPUWorker:
+    """The worker, with the pinned release's ``NPUWorker.shutdown`` as written there (rows
+    ``NPUWorker.init_device`` and ``NPUWorker.shutdown``; the KV-transfer and weight-transfer
+    branches have nothing to shut down here)."""
+
+    def __init__(self, model_runner) -> None:
+        self.profiler = None
+        self.model_runner = model_runner
+
+    def shutdown(self) -> None:
+        if self.profiler is not None:
+            self.profiler.shutdown()
+
+        if weight_transfer_engine := getattr(self, "weight_transfer_engine", None):
+            weight_transfer_engine.shutdown()
+
+        if model_runner := getattr(self, "model_runner", None):
+            shutdown_fn = getattr(model_runner, "shutdown", None)
+            if callable(shutdown_fn):
+                shutdown_fn()
+
+
+def fake_vllm_config(
+    num_experts: int, redundant: int, ep_size: int, use_async: bool, metrics_path: str | None = None
+):
     """The fields of vLLM's config that eplb-graph's settings read (no engine is built)."""
     eplb = SimpleNamespace(
         window_size=2,
@@ -212,6 +252,8 @@ def fake_vllm_config(num_experts: int, redundant: int, ep_size: int, use_async: 
         parallel_config=parallel,
         model_config=SimpleNamespace(get_num_experts=lambda: num_experts, enforce_eager=True),
         compilation_config=SimpleNamespace(mode=0),  # vLLM's CompilationMode.NONE
-        additional_config={"eplb_graph": {}},
+        additional_config={
+            "eplb_graph": {} if metrics_path is None else {"metrics_path": metrics_path}
+        },
         speculative_config=None,
     )

@@ -11,11 +11,14 @@ attach puts eplb-graph there instead:
   vllm-ascend's post-compute recording off for those routers, recording rank by MoE comm method;
 - :mod:`.weights`: views over ``get_eplb_weight_views`` (W8A8, W4A8, unquantized; stacked or
   per-expert lists);
-- :mod:`.controller`: :class:`EplbGraphController` where ``AscendEPLBController`` stands.
+- :mod:`.controller`: :class:`EplbGraphController` where ``AscendEPLBController`` stands;
+- the worker's shutdown (``NPUWorker.shutdown``) closes eplb-graph's runtime first, as the CPU
+  plugin's runner shutdown does.
 
 :func:`install` is called by eplb-graph's vLLM plugin on a non-CPU platform. It changes nothing
 until vllm-ascend's Model Runner V2 module is imported, and then only wraps the controller class
-global, which keeps building vllm-ascend's own controller unless eplb-graph is asked for.
+global, which keeps building vllm-ascend's own controller unless eplb-graph is asked for, and
+the worker's shutdown, which closes nothing unless that controller is eplb-graph's.
 Never run on an NPU: see docs/vllm.md.
 """
 
@@ -32,6 +35,8 @@ __all__ = ["install"]
 
 RUNNER_MODULE = "vllm_ascend.worker.v2.model_runner"
 ROUTED_EXPERTS_MODULE = "vllm_ascend.ops.fused_moe.routed_experts"
+WORKER_MODULE = "vllm_ascend.worker.worker"
+CONTROLLER_MODULE = "eplb_graph.integrations.vllm_ascend.controller"
 
 _installed = False
 
@@ -43,6 +48,7 @@ def install() -> None:
         return
     _after_import(RUNNER_MODULE, _wrap_controller)
     _after_import(ROUTED_EXPERTS_MODULE, _switch_recording)
+    _after_import(WORKER_MODULE, _wrap_worker_shutdown)
     _installed = True
 
 
@@ -70,6 +76,41 @@ def _wrap_controller(module: Any) -> None:
 
     controller._eplb_graph_factory = True
     module.AscendEPLBController = controller
+
+
+def _wrap_worker_shutdown(module: Any) -> None:
+    """``NPUWorker.shutdown`` closes eplb-graph's runtime, then runs as written.
+
+    vLLM's worker process calls the worker's shutdown, then destroys the distributed environment
+    (every process group, eplb-graph's movement groups too). As on vLLM's CPU runner, eplb-graph
+    closes first: its movement worker thread is stopped before its groups go, and with
+    ``metrics_path`` the rank file gets its final counts and ``closed: true``.
+    """
+    worker = module.NPUWorker
+    shutdown = worker.shutdown
+    if getattr(shutdown, "_eplb_graph_closes", False):
+        return
+
+    @functools.wraps(shutdown)
+    def shutdown_with_eplb(self):
+        close_eplb_graph(getattr(self, "model_runner", None))
+        return shutdown(self)
+
+    shutdown_with_eplb._eplb_graph_closes = True
+    worker.shutdown = shutdown_with_eplb
+
+
+def close_eplb_graph(model_runner: Any) -> bool:
+    """Close the runner's EPLB controller if it is eplb-graph's (idempotent); whether it was.
+
+    Imports nothing: a controller of eplb-graph's exists only once its module was imported.
+    """
+    controller = sys.modules.get(CONTROLLER_MODULE)
+    eplb = getattr(model_runner, "eplb", None)
+    if controller is None or not isinstance(eplb, controller.EplbGraphController):
+        return False
+    eplb.close()
+    return True
 
 
 def _switch_recording(module: Any) -> None:

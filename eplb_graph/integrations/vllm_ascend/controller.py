@@ -8,7 +8,8 @@ each dummy run). :class:`EplbGraphController` answers the same calls: registerin
 builds eplb-graph's ``EplbState``, adapts every router (``routing.adapt_router``), builds weight
 views over ``get_eplb_weight_views`` and starts an ``EplbRuntime`` whose movement is eplb-graph's
 own (gloo groups of its own, payloads staged through host memory); ``AscendEplbState`` and
-vllm-ascend's communicators are never built.
+vllm-ascend's communicators are never built. No controller call marks the end of serving: the
+worker's ``shutdown``, wrapped by ``vllm_ascend.install``, calls :meth:`EplbGraphController.close`.
 
 Refused at start-up (never degraded): a mixture-of-experts draft model, and elastic EP
 (``setup_from_mapping``).
@@ -99,6 +100,9 @@ class EplbGraphController:
         )
 
     def close(self) -> None:
+        """Stop the runtime (movement worker thread), log and write the final figures (metrics
+        file ``closed: true``); called by the worker's shutdown (see ``vllm_ascend.install``).
+        Once: later calls do nothing (``VllmEplbAdapter.close``)."""
         if self.state is not None:
             self.state.close()
 

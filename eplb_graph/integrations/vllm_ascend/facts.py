@@ -72,6 +72,7 @@ _ROUTED_EXPERTS = "vllm_ascend.ops.fused_moe.routed_experts"
 _EPLB_STATE = "vllm_ascend.distributed.eplb.eplb_state"
 _CONTROLLER = "vllm_ascend.worker.v2.eplb"
 _RUNNER = "vllm_ascend.worker.v2.model_runner"
+_WORKER = "vllm_ascend.worker.worker"
 _CONTEXT = "vllm_ascend.ascend_forward_context"
 _W8A8 = "vllm_ascend.quantization.methods.w8a8.w8a8_dynamic"
 _W4A8 = "vllm_ascend.quantization.methods.w4a8.w4a8"
@@ -163,6 +164,21 @@ FACTS: tuple[SourceFact, ...] = (
         "NPUModelRunner.prepare_inputs",
         "reports the batch phase (set_batch_phase) once per batch",
         uses=("set_batch_phase",),
+    ),
+    # -- shutdown: the worker's, which reaches the runner (no controller hook exists) ------------
+    SourceFact(
+        _WORKER,
+        "NPUWorker.init_device",
+        "the worker keeps Model Runner V2 (its .eplb is the controller) as self.model_runner",
+        uses=("NPUModelRunnerV2", "model_runner"),
+    ),
+    SourceFact(
+        _WORKER,
+        "NPUWorker.shutdown",
+        "vLLM's worker process calls it before destroying the process groups; eplb-graph's "
+        "wrapper closes its runtime first, then runs it (it shuts the model runner down)",
+        parameters=("self",),
+        uses=("model_runner", "shutdown"),
     ),
     # -- which rank sees which tokens: the MoE communication method ------------------------------
     SourceFact(
