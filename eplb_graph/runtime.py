@@ -192,7 +192,11 @@ class EplbRuntime:
         return self.scheduler is not None and self.scheduler.busy
 
     def close(self) -> None:
+        """Stop the movement worker. Serving has ended: a job waiting for the main thread to
+        install earlier layers (which it never will now) aborts at once instead of holding the
+        thread for ``install_wait_s``."""
         if self.worker is not None:
+            self.pool.close()
             self.worker.stop()
 
     # -- internals -------------------------------------------------------------------------------

@@ -292,3 +292,31 @@ def test_the_vllm_section_turns_the_budget_error_into_its_own_setting():
     assert isinstance(error, ConfigError)
     assert error.field == "additional_config.eplb_graph.staging_budget_mib"
     assert "need 3 MiB" in error.reason and "to at least 3" in error.reason
+
+
+def test_closing_the_pool_releases_a_worker_waiting_for_installs_that_never_come():
+    """At shutdown the main thread installs nothing more: a worker waiting for a published
+    block to come back (or for a free one) must give up at once, not after its timeout, so the
+    movement thread stops with the runtime."""
+    import time
+
+    pool = StagingPool(1, 2, 8, pin=False)
+    block = pool.acquire(0)
+    pool.publish(block)  # handed to the main thread, which stops serving before installing it
+    outcome: dict = {}
+
+    def worker() -> None:
+        started = time.monotonic()
+        outcome["all_free"] = pool.wait_all_free(timeout=60)
+        outcome["acquired"] = pool.acquire(1, timeout=60)
+        outcome["seconds"] = time.monotonic() - started
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    time.sleep(0.2)
+    assert thread.is_alive()  # still waiting: nothing was released
+    pool.close()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert outcome == {"all_free": False, "acquired": None, "seconds": outcome["seconds"]}
+    assert outcome["seconds"] < 10

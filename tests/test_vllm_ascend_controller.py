@@ -134,6 +134,11 @@ def _shut_down(controller) -> dict:
     after_first = path.read_text()
     worker.shutdown()  # a second shutdown closes nothing again
     dist.destroy_process_group()  # vLLM's destroy_distributed_environment, after the worker's
+    if movement_worker is not None and movement_worker._thread is not None:
+        # close() asked the thread to stop and waited 5 s; on a loaded machine a job still
+        # finishing its exchange may take longer. Stopped means it ends, not that it ended
+        # within 5 s: a thread nobody stopped would still be alive after this bound.
+        movement_worker._thread.join(60)
     return {
         "open_before": open_before,
         "worker_thread": None if movement_worker is None else movement_worker.alive,

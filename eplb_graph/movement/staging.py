@@ -124,6 +124,7 @@ class StagingPool:
             pin = torch.cuda.is_available()
         self.blocks = [StagingBlock(i, slots_per_rank, slot_nbytes, pin) for i in range(num_blocks)]
         self._condition = threading.Condition()
+        self._closed = False
 
     @property
     def nbytes(self) -> int:
@@ -144,7 +145,7 @@ class StagingPool:
                         block.read_rows = {}
                         return block
                 remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
+                if self._closed or (remaining is not None and remaining <= 0):
                     return None
                 self._condition.wait(remaining)
 
@@ -165,11 +166,23 @@ class StagingPool:
             self._condition.notify_all()
 
     def wait_all_free(self, timeout: float | None = None) -> bool:
-        """Worker: wait until the main thread has installed and released every block."""
+        """Worker: wait until the main thread has installed and released every block (``False``
+        on timeout, or at once when the pool is closed: no main thread will install any more)."""
+
+        def free() -> bool:
+            return all(block.state is BlockState.FREE for block in self.blocks)
+
         with self._condition:
-            return self._condition.wait_for(
-                lambda: all(block.state is BlockState.FREE for block in self.blocks), timeout
-            )
+            self._condition.wait_for(lambda: free() or self._closed, timeout)
+            return free()
+
+    def close(self) -> None:
+        """Main thread, at shutdown: serving has stopped, so nothing published will be installed
+        again; a worker waiting for a block or for installs gives up now (its job aborts) instead
+        of waiting out its timeout, and the worker thread can stop."""
+        with self._condition:
+            self._closed = True
+            self._condition.notify_all()
 
     def states(self) -> list[BlockState]:
         with self._condition:
