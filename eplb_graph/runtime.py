@@ -159,6 +159,11 @@ class EplbRuntime:
         self.controller = EplbController(
             state, control, self._rebalance, reduce=reduce, record_load=record_load
         )
+        gate = getattr(self.planner, "gate", None)
+        if gate is not None:
+            # The serving thread judges outlier calls against the model the worker last fitted
+            # (an immutable object: reading the reference needs no lock).
+            self.controller.feedback.model_source = lambda: gate.model
 
     # -- per step ------------------------------------------------------------------------------
     def begin_step(self, *, has_prefill: bool, num_valid_tokens: int) -> list[int]:

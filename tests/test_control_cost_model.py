@@ -19,6 +19,7 @@ from eplb_graph.control import ControlSettings
 from eplb_graph.control.cost_model import (
     CostMoments,
     ExpertCostModel,
+    lower_bound_step_us,
     predict_rank_us,
     predicted_step_us,
 )
@@ -168,14 +169,61 @@ def test_gate_keeps_a_plan_that_cannot_repay_its_move_and_applies_one_that_can()
     committed = Placement.default(2, 32, 8, RANKS).phy2log
     per_step = _skewed(scale=40.0) * 4  # the default layout puts the hot experts on rank 0
     load = _load(committed, per_step * 10, _feedback())
-    short = PaybackGate(RANKS, 40, 9, step_interval=1)
-    assert short.decide(load, None) is None
-    assert short.decisions[-1]["reason"] == "the saving does not repay the move"
     long = PaybackGate(RANKS, 40, 9, step_interval=100_000)
     plan = long.decide(load, None)
     assert plan is not None and not torch.equal(plan, committed)
-    assert long.decisions[-1]["action"] == "applied"
-    assert long.decisions[-1]["saving_ms_per_step"] > 0
+    applied = long.decisions[-1]
+    assert applied["action"] == "applied" and applied["saving_ms_per_step"] > 0
+    # The horizon at which that plan just fails to repay its copies (but one copy could repay).
+    copy_ms = applied["cost_ms"] / applied["copies"]
+    horizon = int(applied["copies"] * copy_ms / applied["saving_ms_per_step"])
+    short = PaybackGate(RANKS, 40, 9, step_interval=horizon)
+    assert short.decide(load, None) is None
+    assert short.decisions[-1]["reason"] == "the saving does not repay the move"
+    assert short.decisions[-1]["copies"] == applied["copies"]
+
+
+def test_gate_keeps_without_planning_when_no_placement_can_repay_one_copy():
+    committed = Placement.default(2, 32, 8, RANKS).phy2log
+    per_step = _skewed(scale=40.0) * 4
+    asked = []
+
+    def policy_plan():
+        asked.append(True)
+        return rebalance("default", (per_step * 10).round().to(torch.int64), 40, 1, 1, RANKS)
+
+    gate = PaybackGate(RANKS, 40, 9, step_interval=1)
+    assert gate.decide(_load(committed, per_step * 10, _feedback()), policy_plan) is None
+    kept = gate.decisions[-1]
+    assert kept["reason"] == "no placement can repay a move" and not asked
+    assert 0 < kept["saving_bound_ms_per_step"] < kept["cost_ms"]
+    # With a horizon long enough, the same gate asks the policy and plans.
+    gate = PaybackGate(RANKS, 40, 9, step_interval=100_000)
+    assert gate.decide(_load(committed, per_step * 10, _feedback()), policy_plan) is not None
+    assert asked == [True]
+
+
+@pytest.mark.parametrize("model", [READS, ROWS], ids=["reads", "rows"])
+def test_the_floor_is_below_every_placements_predicted_step(model):
+    generator = torch.Generator().manual_seed(3)
+    for trial in range(20):
+        per_step = torch.rand(3, 32, generator=generator) ** 4 * (1 + trial)
+        floor = lower_bound_step_us(per_step, RANKS, model)
+        layouts = [
+            Placement.default(3, 32, 8, RANKS).phy2log,
+            pack_by_predicted_time(per_step, 40, RANKS, 9, model),
+            rebalance("default", (per_step * 100).round().to(torch.int64), 40, 1, 1, RANKS),
+        ]
+        layouts += [torch.randint(0, 32, (3, 40), generator=generator) for _ in range(5)]
+        for layout in layouts:
+            layout[:, :32] = torch.stack([torch.randperm(32, generator=generator)] * 3)
+            assert floor <= predicted_step_us(layout, per_step, RANKS, model) + 1e-6
+    # A perfectly even layout reaches the floor: the bound is tight where nothing can be saved.
+    even = torch.full((1, 32), 3.0)
+    layout = torch.arange(32).unsqueeze(0)
+    assert predicted_step_us(layout, even, RANKS, READS) == pytest.approx(
+        lower_bound_step_us(even, RANKS, READS)
+    )
 
 
 def test_gate_rolls_back_a_plan_that_made_steps_slower_and_then_asks_for_more():
@@ -283,3 +331,25 @@ def test_a_window_under_two_placements_is_not_checked():
     parsed = WindowFeedback.parse(feedback.take(recorded_steps=0))
     assert parsed.window_expert_us == (0, 100) and parsed.window_mixed
     assert parsed.measured_rank_us() is None
+
+
+def test_serving_feedback_leaves_out_calls_far_slower_than_the_fitted_model():
+    stats = torch.zeros(2, 3, dtype=torch.int64)
+    model: list[ExpertCostModel | None] = [None]
+    feedback = ServingFeedback(stats, model_source=lambda: model[0])
+    ordinary = torch.tensor([[10, 1_000_000, 4], [10, 1_000_000, 4]])  # 1 ms per call
+    preempted = torch.tensor([[10, 1_000_000, 4], [10, 30_000_000, 4]])  # one call took 30 ms
+    stats += preempted
+    feedback.step(step_us=1, tokens=1, decode=True, in_flight=False, version=0)
+    assert feedback.snapshot() == {"taken": 2, "dropped_outliers": 0}  # no model: all taken
+    assert feedback.last_step_expert_ns == 31_000_000
+    model[0] = ExpertCostModel(fixed_us=100.0, row_us=50.0, read_us=100.0, samples=64,
+                               fit_error=0.0)  # fmt: skip
+    stats += preempted
+    feedback.step(step_us=1, tokens=1, decode=True, in_flight=False, version=0)
+    assert feedback.snapshot() == {"taken": 3, "dropped_outliers": 1}
+    assert feedback.last_step_expert_ns == 31_000_000  # the step's time still counts it
+    stats += ordinary * 2  # twice the prediction: slow, not an outlier
+    feedback.step(step_us=1, tokens=1, decode=True, in_flight=False, version=0)
+    assert feedback.snapshot() == {"taken": 5, "dropped_outliers": 1}
+    assert int(feedback.moments.values[0]) == 5

@@ -189,4 +189,5 @@ class EplbController:
             "windows_closed": self.windows_closed,
             "placement_version": self.state.placement_version,
             "last_logged_balancedness": self.last_logged_balancedness,
+            "cost_samples": self.feedback.snapshot(),
         }

@@ -38,6 +38,7 @@ __all__ = [
     "MOMENTS",
     "CostMoments",
     "ExpertCostModel",
+    "lower_bound_step_us",
     "predict_rank_us",
     "predicted_step_us",
 ]
@@ -182,3 +183,20 @@ def predicted_step_us(
     """Predicted busiest-rank expert µs of one step, summed over layers (each layer's combine
     waits for its busiest rank)."""
     return float(predict_rank_us(phy2log, per_step, num_ranks, model).max(axis=1).sum())
+
+
+def lower_bound_step_us(per_step: torch.Tensor, num_ranks: int, model: ExpertCostModel) -> float:
+    """A floor under :func:`predicted_step_us` of *every* placement of ``per_step`` (``[L, N]``).
+
+    Per layer, the busiest rank takes at least the ranks' mean: every rank pays ``fixed_us``,
+    the rows are the rows wherever they go, and an expert with ``x`` expected rows split over
+    ``c`` copies is active on ``c (1 - exp(-x / c))`` slots, which never falls as ``c`` grows
+    (its derivative is ``1 - exp(-u) (1 + u) >= 0``): one copy per expert reads the least. What
+    the committed placement is predicted to take above this floor bounds what any plan can save,
+    so a planner can tell that no plan repays a move without building one.
+    """
+    load = torch.as_tensor(per_step).to(torch.float64).numpy()
+    rows = load.sum(axis=1)
+    active = (1.0 - np.exp(-load)).sum(axis=1)
+    per_layer = model.fixed_us + (model.row_us * rows + model.read_us * active) / num_ranks
+    return float(per_layer.sum())

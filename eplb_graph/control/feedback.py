@@ -11,7 +11,11 @@ Three things are gathered:
 
 - **cost samples**: per layer and step, the expert op's ``(rows, active slots, µs)`` deltas, for
   :class:`~eplb_graph.control.cost_model.ExpertCostModel` (decode steps with no rearrangement in
-  flight only: a worker copying weights on the same core would inflate them);
+  flight only: a worker copying weights on the same core would inflate them). Once a model is
+  fitted, a call that took more than :data:`OUTLIER_FACTOR` times its prediction is left out:
+  on a shared core a call the scheduler preempted can take ten times its work, and least squares
+  would bend every coefficient toward such a call (one of them once put a fit's error at 230% of
+  the mean call). What serving pays for preemption is no placement's doing;
 - **placement epochs**: serving step time and tokens of decode steps under the placement
   committed now (``current``) and under the one before it (``previous``), with no rearrangement
   in flight; an epoch ends when the committed placement changes. This is how a plan that made
@@ -23,11 +27,12 @@ Three things are gathered:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from eplb_graph.control.cost_model import MOMENTS, CostMoments
+from eplb_graph.control.cost_model import MOMENTS, CostMoments, ExpertCostModel
 
 __all__ = ["Epoch", "ServingFeedback", "WindowFeedback", "feedback_size"]
 
@@ -35,6 +40,11 @@ _HEAD = 3  # ranks, recorded steps, ranks that recorded
 _EPOCH = 3  # decode steps, Σ step µs, Σ tokens
 _TAIL = 3  # epoch index, movement extra µs, movement steps
 _WINDOW = 2  # window steps timed, ranks whose placement changed during the window
+
+OUTLIER_FACTOR = 3.0
+"""A call slower than this many times the fitted model's prediction is not a cost sample."""
+OUTLIER_MIN_US = 1000
+"""... and only when it is at least this much slower (µs): a short call's jitter is no outlier."""
 
 
 def feedback_size(num_ranks: int) -> int:
@@ -122,13 +132,24 @@ class WindowFeedback:
 class ServingFeedback:
     """The per-step side of :class:`WindowFeedback`, owned by the controller's (serving) thread.
 
+    The one per-step reader of the expert op's counters: runners take the step's expert time
+    from :attr:`last_step_expert_ns` rather than reading them again.
+
     Args:
         expert_stats: ``EplbState.expert_stats`` (``[L, 3]``: rows, ns, active slots). Read only
             when it is a host tensor with the active-slot column; elsewhere no cost samples are
             taken (the model then has only what calibration gave it).
+        model_source: returns the latest fitted model (or ``None``), the reference that outlier
+            calls are judged against; ``None``: every call is a sample.
     """
 
-    def __init__(self, expert_stats: torch.Tensor, rank: int = 0, num_ranks: int = 1) -> None:
+    def __init__(
+        self,
+        expert_stats: torch.Tensor,
+        rank: int = 0,
+        num_ranks: int = 1,
+        model_source: Callable[[], ExpertCostModel | None] | None = None,
+    ) -> None:
         self._stats = expert_stats
         self._rank = rank
         self._num_ranks = num_ranks
@@ -145,6 +166,11 @@ class ServingFeedback:
         self._previous = [0, 0, 0]
         self.movement_extra_us = 0
         self.movement_steps = 0
+        self.model_source = model_source
+        self.last_step_expert_ns = 0
+        """Expert-op ns of the last step (all layers; 0 where the op is not timed on the host)."""
+        self.samples_taken = 0
+        self.samples_dropped = 0
 
     def calibrate(self, rows, active, micros) -> None:
         """Add calls measured outside serving (a calibration at attach)."""
@@ -227,6 +253,7 @@ class ServingFeedback:
     def _take_cost_samples(self, usable: bool) -> int:
         """Adds this step's per-layer calls to the moments when ``usable``; returns the step's
         expert µs (0 where the op is not timed on the host)."""
+        self.last_step_expert_ns = 0
         if not self._samples:
             return 0
         now = self._stats.detach().clone()
@@ -236,11 +263,29 @@ class ServingFeedback:
         if not bool(timed.any()):
             return 0
         delta = delta[timed]
+        self.last_step_expert_ns = int(delta[:, 1].sum())
         if usable:
-            self.moments.add(
-                delta[:, 0].numpy(), delta[:, 2].numpy(), (delta[:, 1] // 1000).numpy()
-            )
-        return int(delta[:, 1].sum()) // 1000
+            rows, micros, active = delta[:, 0], delta[:, 1] // 1000, delta[:, 2]
+            keep = self._not_outliers(rows, active, micros)
+            if keep is not None:
+                self.samples_dropped += int((~keep).sum())
+                rows, micros, active = rows[keep], micros[keep], active[keep]
+            self.samples_taken += int(rows.numel())
+            self.moments.add(rows.numpy(), active.numpy(), micros.numpy())
+        return self.last_step_expert_ns // 1000
+
+    def _not_outliers(self, rows, active, micros) -> torch.Tensor | None:
+        """Mask of the calls within :data:`OUTLIER_FACTOR` of the model (``None``: no model)."""
+        model = self.model_source() if self.model_source is not None else None
+        if model is None:
+            return None
+        predicted = model.fixed_us + model.row_us * rows.double() + model.read_us * active.double()
+        excess = micros.double() - predicted
+        return ~((micros.double() > OUTLIER_FACTOR * predicted) & (excess > OUTLIER_MIN_US))
+
+    def snapshot(self) -> dict:
+        """Cost samples taken and left out as outliers (plain values, for the metrics files)."""
+        return {"taken": self.samples_taken, "dropped_outliers": self.samples_dropped}
 
 
 def empty_feedback(num_ranks: int) -> torch.Tensor:

@@ -22,6 +22,12 @@ inputs are sums from the window reduction):
    before any was measured, a pessimistic prior from the copy's bytes
    (:data:`PRIOR_BYTES_PER_US`).
 
+Before step 2 builds any candidate, the committed placement's predicted time is set against a
+floor no placement can beat (:func:`~eplb_graph.control.cost_model.lower_bound_step_us`): when
+even that saving cannot repay one copy, the window is kept without planning. That is the common
+case of a balanced or weight-read-bound engine, and the planning it skips (the policy's plan and
+the packer, tens of ms) runs on the cores that serve.
+
 Every decision is kept (newest :data:`KEPT`) with its figures, for the metrics files, and so is
 every window's check of the model: the busiest rank's predicted expert ms per step under the
 committed placement against what the ranks measured over the same steps (``accuracy``).
@@ -30,12 +36,17 @@ committed placement against what the ranks measured over the same steps (``accur
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from eplb_graph.control.cost_model import ExpertCostModel, predict_rank_us
+from eplb_graph.control.cost_model import (
+    ExpertCostModel,
+    lower_bound_step_us,
+    predict_rank_us,
+)
 from eplb_graph.control.window import WindowLoad
 from eplb_graph.policy.predicted_time import pack_by_predicted_time
 from eplb_graph.policy.preserve import preserve_slots, relabel_ranks, transfers_needed
@@ -58,6 +69,9 @@ PRIOR_COPY_READS = 100.0
 """The same prior where the bytes of a copy are unknown: 100 of its weight reads by the kernel."""
 MAX_MARGIN = 8.0
 KEPT = 16
+
+PolicyPlan = torch.Tensor | Callable[[], torch.Tensor | None] | None
+"""The configured policy's candidate: a plan, a callable making it on demand, or none."""
 
 
 @dataclass
@@ -102,8 +116,12 @@ class PaybackGate:
     _initial: torch.Tensor | None = None
     _refused: deque = field(default_factory=lambda: deque(maxlen=KEPT))
 
-    def decide(self, load: WindowLoad, policy_plan: torch.Tensor | None) -> torch.Tensor | None:
-        """The placement to move to, or ``None`` to keep the committed one."""
+    def decide(self, load: WindowLoad, policy_plan: PolicyPlan) -> torch.Tensor | None:
+        """The placement to move to, or ``None`` to keep the committed one.
+
+        ``policy_plan``: the configured policy's plan, or a callable that makes it (called only
+        if some placement could repay a move), or ``None``.
+        """
         try:
             return self._decide(load, policy_plan)
         finally:
@@ -111,7 +129,7 @@ class PaybackGate:
             # the next window may already be deciding on the worker's.
             self.published = self.snapshot()
 
-    def _decide(self, load: WindowLoad, policy_plan: torch.Tensor | None) -> torch.Tensor | None:
+    def _decide(self, load: WindowLoad, policy_plan: PolicyPlan) -> torch.Tensor | None:
         feedback = load.feedback
         if feedback is None:
             return self._keep(load, "no serving feedback in this window")
@@ -138,7 +156,20 @@ class PaybackGate:
             return self._keep(load, "cost model not fitted yet (too few timed expert calls)")
         if per_step is None:
             return self._keep(load, "no load recorded in this window")
-        return self._choose(load, per_step, policy_plan)
+        now = self._step_us(load.committed, per_step)
+        floor = lower_bound_step_us(per_step, self.num_ranks, self.model)
+        figures = {
+            "predicted_step_ms_now": now / 1e3,
+            "saving_bound_ms_per_step": max(0.0, now - floor) / 1e3,
+            "horizon_steps": self.step_interval,
+            "cost_ms": self._copy_cost_us() / 1e3,
+            "margin": self.margin,
+        }
+        if self._cannot_repay(now, now - floor, copies=1):
+            return self._keep(load, "no placement can repay a move", **figures)
+        if callable(policy_plan):
+            policy_plan = policy_plan()
+        return self._choose(load, per_step, policy_plan, now)
 
     def _check_prediction(
         self, step: int, measured_us: list[float] | None, initial: float | None
@@ -203,8 +234,19 @@ class PaybackGate:
         return None
 
     # -- a new plan ------------------------------------------------------------------------------
+    def _cannot_repay(self, now: float, saving: float, copies: int) -> bool:
+        """Whether ``saving`` µs per step falls short of ``min_gain_percent`` or of repaying
+        ``copies`` moved copies within the horizon."""
+        if self.min_gain_percent and saving < now * self.min_gain_percent / 100:
+            return True
+        return saving * self.step_interval <= self.margin * copies * self._copy_cost_us()
+
     def _choose(
-        self, load: WindowLoad, per_step: torch.Tensor, policy_plan: torch.Tensor | None
+        self,
+        load: WindowLoad,
+        per_step: torch.Tensor,
+        policy_plan: torch.Tensor | None,
+        now: float,
     ) -> torch.Tensor | None:
         model, committed = self.model, load.committed
         packed = pack_by_predicted_time(
@@ -215,7 +257,6 @@ class PaybackGate:
         candidates = {"predicted_time": packed}
         if policy_plan is not None:
             candidates["policy"] = policy_plan
-        now = self._step_us(committed, per_step)
         timed = {name: self._step_us(plan, per_step) for name, plan in candidates.items()}
         name = min(timed, key=lambda n: (timed[n], n != "policy"))
         plan, predicted = candidates[name], timed[name]

@@ -101,8 +101,27 @@ class PolicyPlanner:
         if float(load.logical.sum()) == 0.0:
             return None  # nothing was recorded: no evidence to plan on
         self.observe(load)
+        if self.gate is not None:
+            # The gate asks for the policy's plan only when some placement could repay a move.
+            def policy_plan() -> torch.Tensor | None:
+                plan = self._policy_plan(load)
+                return None if torch.equal(plan, load.committed) else plan
+
+            return self.gate.decide(load, policy_plan)
+        new_phy2log = self._policy_plan(load)
+        if torch.equal(new_phy2log, load.committed):
+            return None
+        if (
+            self.min_gain_percent
+            and predicted_gain(load.committed, new_phy2log, load.logical, self.num_ranks)
+            < self.min_gain_percent / 100
+        ):
+            return None
+        return new_phy2log
+
+    def _policy_plan(self, load: WindowLoad) -> torch.Tensor:
         history = {HISTORY_OPTION: self._before_latest} if self._takes_history else {}
-        new_phy2log = rebalance(
+        return rebalance(
             self.policy,
             load.logical,
             self.num_replicas,
@@ -113,18 +132,6 @@ class PolicyPlanner:
             **self.options,
             **history,
         )
-        if self.gate is not None:
-            same = torch.equal(new_phy2log, load.committed)
-            return self.gate.decide(load, None if same else new_phy2log)
-        if torch.equal(new_phy2log, load.committed):
-            return None
-        if (
-            self.min_gain_percent
-            and predicted_gain(load.committed, new_phy2log, load.logical, self.num_ranks)
-            < self.min_gain_percent / 100
-        ):
-            return None
-        return new_phy2log
 
     def observe(self, load: WindowLoad) -> None:
         """Remember a window's load as the history of later plans, without planning.

@@ -87,7 +87,6 @@ class VllmEplbAdapter:
         }
         # This rank's time in its expert op per step (the op's own clock, expert_stats ns), by
         # placement version: what a better placement is for, measured where the work runs.
-        self._expert_ns_seen = int(self.state.expert_stats[:, 1].sum())
         self._expert_seconds: deque[float] = deque(maxlen=STEP_TIMES_KEPT)
         # Running totals and the newest decode step times, in order: what a caller diffs
         # between two reads of the file to measure one period (a benchmark's batch size).
@@ -172,7 +171,6 @@ class VllmEplbAdapter:
             )
             self._finished_seen = finished
         else:
-            self._expert_ns_seen = int(self.state.expert_stats[:, 1].sum())
             self._finished_seen = self._finished()
         self._open = False
         self.steps += 1
@@ -205,10 +203,9 @@ class VllmEplbAdapter:
         return self.runtime.pipeline.stats.rearrangements_started
 
     def _record_expert_time(self) -> float:
-        """This step's expert-op time: the delta of the op's accumulated ns (a CPU read)."""
-        total = int(self.state.expert_stats[:, 1].sum())
-        seconds = (total - self._expert_ns_seen) / 1e9
-        self._expert_ns_seen = total
+        """This step's expert-op time, as the controller's feedback read it from the op's
+        counters in this very ``end_step`` (one reader per step, not two)."""
+        seconds = self.runtime.controller.feedback.last_step_expert_ns / 1e9
         self._expert_seconds.append(seconds)
         version = self.state.placement_version
         if version not in self._expert_by_version and len(self._expert_by_version) >= 2:
@@ -326,6 +323,8 @@ class VllmEplbAdapter:
             **self._expert_figures(),
             "rearrange": self.settings.control.rearrange,
             "cost_model": None if self._gate is None else self._gate.published,
+            "cost_samples": control["cost_samples"],
+            "policy_ms_total": 1e3 * movement["policy_seconds"],
             "closed": self.closed,
             **(
                 {"weight_digests": self.weight_digests.document()}
