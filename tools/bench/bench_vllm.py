@@ -260,6 +260,7 @@ def benefit(root: Path, args) -> dict:
     default_batches = "8,64" if args.quick else "8,24,64,256"
     batches = sorted(int(b) for b in (args.batch or default_batches).split(","))
     tokens, calls, warmup = (16, 2, 3) if args.quick else (32, 4, 4)
+    calls = args.calls or calls
     report = {
         "mode": "eager" if args.quick else "compiled",
         "batches": batches,
@@ -323,11 +324,14 @@ def benefit(root: Path, args) -> dict:
                 for name in names[1:]:
                     ratios, figures = row[name], row["engines"][name]
                     prediction = figures.get("prediction") or {}
+                    pairs = ratios["decode_speedup_pairs"]
                     print(
                         f"  {key} {row['batch']:>4} seq {name:>6}: decode "
                         f"{figures['decode_tokens_per_s']:.0f} vs "
                         f"{row['engines']['off']['decode_tokens_per_s']:.0f} tok/s "
-                        f"({ratios['decode_speedup']:.3f}x); expert busiest "
+                        f"({ratios['decode_speedup']:.3f}x; pairs {pairs['median']:.3f}x, "
+                        f"{pairs['min']:.3f}-{pairs['max']:.3f}); planning "
+                        f"{_fmt(figures['planning_ms_per_step'])} ms/step; expert busiest "
                         f"{_fmt(figures['busiest_expert_ms'])} vs "
                         f"{_fmt(row['engines']['off']['busiest_expert_ms'])} ms "
                         f"(measured {_fmt(ratios['expert_speedup_measured'])}x, predicted "
@@ -358,8 +362,16 @@ def _benefit_verdict(report: dict) -> dict:
                 if row["batch"] >= 64:
                     skewed_from_64.append(row["on"]["decode_speedup"])
     goals = report["goals"]
+    always = [
+        (key, row["batch"], row["always"]["decode_speedup"], row["always"]["rearrangements"])
+        for key, curve in report["curves"].items()
+        for row in curve
+        if "always" in row
+    ]
     return {
         "worst_decode_ratio": min(ratios, key=lambda r: r[2]) if ratios else None,
+        "always_worst_decode_ratio": min(always, key=lambda r: r[2]) if always else None,
+        "always_rearrangements": sum(r[3] for r in always) if always else None,
         "never_slower": all(r[2] >= goals["decode_ratio_min"] for r in ratios),
         "skewed_best": max(skewed_wide, default=None),
         "skewed_from_64_min": min(skewed_from_64, default=None),
@@ -380,6 +392,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--routers", default="skewed,uniform", help="--benefit: which routers to run"
+    )
+    parser.add_argument(
+        "--calls", type=int, help="--benefit: timed calls per engine and batch (default 4)"
     )
     parser.add_argument(
         "--always",

@@ -20,7 +20,9 @@ For each shape and router one process holds the engines, which take turns:
 
 The batch sizes run in ascending order on the same engines (as load grows on a server): per
 batch, every engine is warmed up (the EPLB engines for two or more windows at that batch), then
-timed in turns (ABBA) on calls of prefill + ``tokens`` decode steps and on prefill-only calls.
+timed in turns (ABBA) on calls of prefill + ``tokens`` decode steps and on prefill-only calls;
+the on / off ratio is given both of the median calls and over each pair of neighbouring calls
+(median, min, max: the noise at that point).
 Per batch and engine: decode throughput, TPOT p50/p99 (the decode steps' serving time, from the
 rank files), each rank's mean expert ms per step (the op's own clock), rearrangements and
 rollbacks; for the EPLB engines also the cost model's predicted busiest-rank expert ms against
@@ -120,6 +122,13 @@ def _engine_figures(name: str, run: dict, tokens: int) -> dict:
     timed_steps = recent[-decode_steps:] if decode_steps else []
     call_s = statistics.median(run["seconds"][name])
     prefill_s = statistics.median(run["ttft"][name])
+    steps = after[0].get("steps", 0) - before[0].get("steps", 0)
+    planning_ms = max(
+        (a.get("policy_ms_total", 0.0) - b.get("policy_ms_total", 0.0) for a, b in
+         zip(after, before, strict=True)),
+        default=0.0,
+    )  # fmt: skip
+    samples = [a.get("cost_samples") or {} for a in after]
     gate = after[0].get("cost_model") or {}
     gate_start = (start[0].get("cost_model") or {}) if start else {}
     checks = [
@@ -143,6 +152,11 @@ def _engine_figures(name: str, run: dict, tokens: int) -> dict:
         "rearrangements_total": after[0].get("rearrangements", 0),
         "rollbacks": gate.get("rollbacks", 0) - gate_start.get("rollbacks", 0),
         "rearrange": after[0].get("rearrange"),
+        # EPLB's own work on the cores that serve: planning per step (busiest rank), and what
+        # share of a decode step that is.
+        "planning_ms_per_step": planning_ms / steps if steps else None,
+        "cost_samples_dropped": sum(s.get("dropped_outliers", 0) for s in samples),
+        "cost_samples_taken": sum(s.get("taken", 0) for s in samples),
     }
     if checks:
         predicted = statistics.median(c["predicted_busiest_ms"] for c in checks)
@@ -177,8 +191,17 @@ def summarize(result: dict, tokens: int) -> list[dict]:
             if name == "off":
                 continue
             busiest_on, busiest_off = figures["busiest_expert_ms"], off["busiest_expert_ms"]
+            pairs = _paired_ratios(run["seconds"]["off"], run["seconds"][name])
             row[name] = {
                 "decode_speedup": figures["decode_tokens_per_s"] / off["decode_tokens_per_s"],
+                # Call k of each engine ran next to each other (ABBA): their ratio cancels the
+                # machine's slow drifts; the spread over pairs is the noise at this point.
+                "decode_speedup_pairs": {
+                    "median": statistics.median(pairs),
+                    "min": min(pairs),
+                    "max": max(pairs),
+                    "count": len(pairs),
+                },
                 "expert_speedup_measured": busiest_off / busiest_on
                 if busiest_on and busiest_off
                 else None,
@@ -191,6 +214,11 @@ def summarize(result: dict, tokens: int) -> list[dict]:
             }
         rows.append(row)
     return rows
+
+
+def _paired_ratios(off: list[float], on: list[float]) -> list[float]:
+    """off / on call time of each pair of calls made next to each other (> 1: on faster)."""
+    return [a / b for a, b in zip(off, on, strict=True)]
 
 
 def plot(report: dict, path: Path) -> bool:
