@@ -54,12 +54,25 @@ MIN_SAMPLES = 32
 class CostMoments:
     """Running integer sums of one op's calls, ready to be summed across ranks.
 
-    ``add`` takes arrays of calls; ``halve_`` ages the history at a window close, so the fit
+    ``add`` takes arrays of calls and ``add_call`` one call (the serving thread's per-step path:
+    Python integers, no tensor work); ``halve_`` ages the history at a window close, so the fit
     follows a machine whose speed changes while every rank still sums the same kind of number.
     """
 
     def __init__(self) -> None:
-        self.values = torch.zeros(MOMENTS, dtype=torch.int64)
+        self._sums = [0] * MOMENTS
+
+    @property
+    def values(self) -> torch.Tensor:
+        """The sums as an int64 tensor (a copy: what a window's reduction carries)."""
+        return torch.tensor(self._sums, dtype=torch.int64)
+
+    @values.setter
+    def values(self, values: torch.Tensor) -> None:
+        sums = [int(v) for v in torch.as_tensor(values).tolist()]
+        if len(sums) != MOMENTS:
+            raise ValueError(f"a moments vector has {MOMENTS} values, got {len(sums)}")
+        self._sums = sums
 
     def add(self, rows, active, micros) -> None:
         """Add calls: ``rows``, ``active`` (slots with rows) and ``micros`` (µs), equal lengths."""
@@ -68,17 +81,28 @@ class CostMoments:
         t = np.asarray(micros, dtype=np.int64)
         if not (r.shape == a.shape == t.shape) or r.ndim != 1:
             raise ValueError(f"rows, active, micros must be 1-D of one length: {r.shape}")
-        if r.size == 0:
-            return
         if (r < 0).any() or (a < 0).any() or (t < 0).any():
             raise ValueError("rows, active slots and times cannot be negative")
-        sums = [r.size, r.sum(), a.sum(), t.sum(), (r * r).sum(), (r * a).sum(), (a * a).sum()]
-        sums += [(r * t).sum(), (a * t).sum(), (t * t).sum()]
-        self.values += torch.tensor([int(s) for s in sums], dtype=torch.int64)
+        for call in zip(r.tolist(), a.tolist(), t.tolist(), strict=True):
+            self.add_call(*call)
+
+    def add_call(self, r: int, a: int, t: int) -> None:
+        """Add one call (non-negative ints: rows, active slots, µs)."""
+        sums = self._sums
+        sums[0] += 1
+        sums[1] += r
+        sums[2] += a
+        sums[3] += t
+        sums[4] += r * r
+        sums[5] += r * a
+        sums[6] += a * a
+        sums[7] += r * t
+        sums[8] += a * t
+        sums[9] += t * t
 
     def halve_(self) -> None:
         """Age the history: every sum halves (older calls weigh half as much after each close)."""
-        self.values.div_(2, rounding_mode="floor")
+        self._sums = [v // 2 for v in self._sums]
 
 
 @dataclass(frozen=True)

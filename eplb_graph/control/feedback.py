@@ -158,7 +158,7 @@ class ServingFeedback:
         self._window_version: int | None = None
         self._window_mixed = False
         self._samples = expert_stats.device.type == "cpu" and expert_stats.shape[-1] >= 3
-        self._seen = expert_stats.detach().to("cpu", copy=True)
+        self._seen: list[list[int]] = expert_stats.detach().cpu().tolist()
         self.moments = CostMoments()
         self.epoch_index = 0
         self._version: int | None = None
@@ -252,40 +252,45 @@ class ServingFeedback:
 
     def _take_cost_samples(self, usable: bool) -> int:
         """Adds this step's per-layer calls to the moments when ``usable``; returns the step's
-        expert µs (0 where the op is not timed on the host)."""
+        expert µs (0 where the op is not timed on the host).
+
+        Plain Python integers from one ``tolist`` of a few rows: this runs on the serving thread
+        every step, where tensor bookkeeping cost more than the figures are worth.
+        """
         self.last_step_expert_ns = 0
         if not self._samples:
             return 0
-        now = self._stats.detach().clone()
-        delta = now - self._seen
-        self._seen = now
-        timed = delta[:, 1] > 0
-        if not bool(timed.any()):
-            return 0
-        delta = delta[timed]
-        self.last_step_expert_ns = int(delta[:, 1].sum())
-        if usable:
-            rows, micros, active = delta[:, 0], delta[:, 1] // 1000, delta[:, 2]
-            keep = self._not_outliers(rows, active, micros)
-            if keep is not None:
-                self.samples_dropped += int((~keep).sum())
-                rows, micros, active = rows[keep], micros[keep], active[keep]
-            self.samples_taken += int(rows.numel())
-            self.moments.add(rows.numpy(), active.numpy(), micros.numpy())
-        return self.last_step_expert_ns // 1000
-
-    def _not_outliers(self, rows, active, micros) -> torch.Tensor | None:
-        """Mask of the calls within :data:`OUTLIER_FACTOR` of the model (``None``: no model)."""
-        model = self.model_source() if self.model_source is not None else None
-        if model is None:
-            return None
-        predicted = model.fixed_us + model.row_us * rows.double() + model.read_us * active.double()
-        excess = micros.double() - predicted
-        return ~((micros.double() > OUTLIER_FACTOR * predicted) & (excess > OUTLIER_MIN_US))
+        now = self._stats.tolist()
+        seen, self._seen = self._seen, now
+        model = self.model_source() if usable and self.model_source is not None else None
+        total_ns = 0
+        for layer, layer_seen in zip(now, seen, strict=True):
+            elapsed_ns = layer[1] - layer_seen[1]
+            if elapsed_ns <= 0:
+                continue  # this layer's op ran no call this step
+            total_ns += elapsed_ns
+            if not usable:
+                continue
+            rows, active = layer[0] - layer_seen[0], layer[2] - layer_seen[2]
+            micros = elapsed_ns // 1000
+            if model is not None and _outlier(model, rows, active, micros):
+                self.samples_dropped += 1
+                continue
+            self.samples_taken += 1
+            self.moments.add_call(rows, active, micros)
+        self.last_step_expert_ns = total_ns
+        return total_ns // 1000
 
     def snapshot(self) -> dict:
         """Cost samples taken and left out as outliers (plain values, for the metrics files)."""
         return {"taken": self.samples_taken, "dropped_outliers": self.samples_dropped}
+
+
+def _outlier(model: ExpertCostModel, rows: int, active: int, micros: int) -> bool:
+    """A call more than :data:`OUTLIER_FACTOR` times (and :data:`OUTLIER_MIN_US` more than)
+    what ``model`` predicts for it."""
+    predicted = model.call_us(rows, active)
+    return micros > OUTLIER_FACTOR * predicted and micros - predicted > OUTLIER_MIN_US
 
 
 def empty_feedback(num_ranks: int) -> torch.Tensor:
