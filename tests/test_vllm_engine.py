@@ -31,6 +31,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.ipc_tmpdir import ipc_safe_tmpdir
+
 pytest.importorskip("vllm", reason="the vllm extra is not installed: pip install -e '.[vllm]'")
 
 pytestmark = pytest.mark.vllm
@@ -49,7 +51,6 @@ def engine_environment(root: Path, tensor_parallel_size: int) -> dict[str, str]:
     """Caches and vLLM's temp files under ``root``; offline; only eplb-graph's plugin."""
     env = dict(os.environ)
     for name, folder in (
-        ("TMPDIR", "tmp"),
         ("HF_HOME", "hf"),
         ("VLLM_CACHE_ROOT", "vllm"),
         ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
@@ -57,6 +58,7 @@ def engine_environment(root: Path, tensor_parallel_size: int) -> dict[str, str]:
     ):
         (root / folder).mkdir(parents=True, exist_ok=True)
         env[name] = str(root / folder)
+    env["TMPDIR"] = str(ipc_safe_tmpdir(root / "tmp"))
     env.update(HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_PLUGINS="eplb_graph")
     env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tensor_parallel_size))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))

@@ -22,6 +22,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from tests.ipc_tmpdir import ipc_safe_tmpdir
+
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 900
 STOP_TIMEOUT_S = 90
@@ -54,7 +56,6 @@ def environment(root: Path) -> dict[str, str]:
     eplb-graph and vLLM installed), caches under ``root``, no ``VLLM_CPU_*`` settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_CPU_")}
     for name, folder in (
-        ("TMPDIR", "tmp"),
         ("HF_HOME", "hf"),
         ("VLLM_CACHE_ROOT", "vllm"),
         ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
@@ -62,6 +63,7 @@ def environment(root: Path) -> dict[str, str]:
     ):
         (root / "cache" / folder).mkdir(parents=True, exist_ok=True)
         env[name] = str(root / "cache" / folder)
+    env["TMPDIR"] = str(ipc_safe_tmpdir(root / "cache" / "tmp"))
     env["HF_HUB_OFFLINE"] = "1"
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
