@@ -95,16 +95,16 @@ def window_variants() -> dict:
     zipf = 1.0 / torch.arange(1, logical + 1, dtype=torch.float64) ** 1.2
     skewed = (zipf / zipf.sum() * 32 * 64 * 8).round().to(torch.int64).expand(layers, -1)
     loads = {
-        "uniform (kept without planning)": torch.full((4, layers, logical), 2, dtype=torch.int64),
-        "skewed (every candidate priced)": torch.stack(
+        "uniform": torch.full((4, layers, logical), 2, dtype=torch.int64),
+        "skewed": torch.stack(
             [skewed + torch.randint(0, 3, skewed.shape, generator=generator) for _ in range(4)]
         ),
     }
     variants = {}
     for mode, load_name in (
-        ("when_it_pays", "uniform (kept without planning)"),
-        ("when_it_pays", "skewed (every candidate priced)"),
-        ("always", "skewed (every candidate priced)"),
+        ("when_it_pays", "uniform"),
+        ("when_it_pays", "skewed"),
+        ("always", "skewed"),
     ):
         window = WindowLoad(100, loads[load_name], torch.zeros_like(committed), committed, feedback)
         planner = PolicyPlanner(
