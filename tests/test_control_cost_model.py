@@ -30,6 +30,7 @@ from eplb_graph.control.window import WindowLoad
 from eplb_graph.placement import Placement
 from eplb_graph.policy import rebalance
 from eplb_graph.policy.predicted_time import pack_by_predicted_time
+from eplb_graph.policy.preserve import preserve_slots, relabel_ranks, transfers_needed
 
 RANKS = 2
 READS = ExpertCostModel(fixed_us=50.0, row_us=2.0, read_us=200.0, samples=100, fit_error=0.0)
@@ -165,7 +166,7 @@ def test_feedback_vector_round_trip():
     assert parsed.current.mean_step_us == 10_000 and parsed.current.mean_tokens == 8
 
 
-def test_gate_keeps_a_plan_that_cannot_repay_its_move_and_applies_one_that_can():
+def test_gate_applies_the_plan_that_repays_most_and_keeps_when_none_repays():
     committed = Placement.default(2, 32, 8, RANKS).phy2log
     per_step = _skewed(scale=40.0) * 4  # the default layout puts the hot experts on rank 0
     load = _load(committed, per_step * 10, _feedback())
@@ -174,13 +175,28 @@ def test_gate_keeps_a_plan_that_cannot_repay_its_move_and_applies_one_that_can()
     assert plan is not None and not torch.equal(plan, committed)
     applied = long.decisions[-1]
     assert applied["action"] == "applied" and applied["saving_ms_per_step"] > 0
-    # The horizon at which that plan just fails to repay its copies (but one copy could repay).
+    assert applied["net_ms"] > 0
+    # The fastest placement's own copies, and the horizon at which they no longer repay.
+    packed = pack_by_predicted_time(per_step, 40, RANKS, 9, READS)
+    packed = preserve_slots(committed, relabel_ranks(committed, packed, RANKS), RANKS)
+    pack_copies = int(transfers_needed(committed, packed, RANKS).sum())
+    pack_saving_ms = (
+        predicted_step_us(committed, per_step, RANKS, READS)
+        - predicted_step_us(packed, per_step, RANKS, READS)
+    ) / 1e3
     copy_ms = applied["cost_ms"] / applied["copies"]
-    horizon = int(applied["copies"] * copy_ms / applied["saving_ms_per_step"])
+    horizon = int(pack_copies * copy_ms / pack_saving_ms)
+    # There, a few of the moves still repay: the gate applies them, not nothing.
     short = PaybackGate(RANKS, 40, 9, step_interval=horizon)
-    assert short.decide(load, None) is None
-    assert short.decisions[-1]["reason"] == "the saving does not repay the move"
-    assert short.decisions[-1]["copies"] == applied["copies"]
+    assert short.decide(load, None) is not None
+    cheap = short.decisions[-1]
+    assert cheap["candidate"] == "fewest_moves" and 0 < cheap["copies"] < pack_copies
+    assert cheap["saving_ms_per_step"] * horizon > cheap["cost_ms"]
+    # Shorter still, nothing repays its copies (though the floor says one copy might).
+    shorter = PaybackGate(RANKS, 40, 9, step_interval=horizon // 8)
+    assert shorter.decide(load, None) is None
+    assert shorter.decisions[-1]["reason"] == "the saving does not repay the move"
+    assert shorter.decisions[-1]["net_ms"] <= 0
 
 
 def test_gate_keeps_without_planning_when_no_placement_can_repay_one_copy():
@@ -244,6 +260,24 @@ def test_gate_rolls_back_a_plan_that_made_steps_slower_and_then_asks_for_more():
     assert back is not None and torch.equal(back, committed)
     assert gate.decisions[-1]["action"] == "rollback" and gate.margin == 2.0
     assert gate.counts["rollbacks"] == 1
+
+
+def test_a_plan_that_made_steps_slower_is_never_applied_again():
+    committed = Placement.default(2, 32, 8, RANKS).phy2log
+    load = _load(committed, _skewed(scale=40.0) * 40, _feedback())
+    refused, applied = [], []
+    for _ in range(2):  # each time the best plan is refused, the next best is applied
+        gate = PaybackGate(RANKS, 40, 9, step_interval=100_000)
+        gate._refused.extend(refused)  # what rollbacks of those plans leave behind
+        plan = gate.decide(load, refused[-1] if refused else None)  # offered by the policy too
+        assert plan is not None and not any(torch.equal(plan, r) for r in refused)
+        refused.append(plan)
+        applied.append(gate.decisions[-1]["candidate"])
+    assert applied == ["fewest_moves", "predicted_time"]
+    gate = PaybackGate(RANKS, 40, 9, step_interval=100_000)
+    gate._refused.extend(refused)
+    assert gate.decide(load, refused[0]) is None  # both our candidates are refused now
+    assert gate.decisions[-1]["reason"] == "this plan made steps slower before"
 
 
 def test_gate_keeps_a_plan_that_did_not_slow_steps_and_gives_no_verdict_when_batch_changed():

@@ -13,14 +13,19 @@ inputs are sums from the window reduction):
    (up to :data:`MAX_MARGIN`). No new plan is made while the last one is still being judged;
 2. **predict.** Fit the expert cost model from the serving samples
    (:class:`~eplb_graph.control.cost_model.ExpertCostModel`), and predict the busiest rank's
-   expert time per step of the committed placement, of the configured policy's plan and of the
-   placement packed by predicted time (:func:`~eplb_graph.policy.predicted_time
-   .pack_by_predicted_time`), under the window's average load per step;
-3. **repay.** The fastest candidate is applied only if its predicted saving over the next
-   interval exceeds the cost of the experts it moves across ranks: the measured cost per moved
-   copy of the rearrangements so far (what their in-flight steps took beyond the idle mean), or,
-   before any was measured, a pessimistic prior from the copy's bytes
-   (:data:`PRIOR_BYTES_PER_US`).
+   expert time per step of the committed placement and of three candidates, under the window's
+   average load per step: the configured policy's plan, the placement packed by predicted time
+   (:func:`~eplb_graph.policy.predicted_time.pack_by_predicted_time`), and the few priced moves
+   from the committed placement that repay the most
+   (:func:`~eplb_graph.policy.incremental.improve_by_moves`: a fresh packing moves many slots,
+   and often only a handful of them make the saving);
+3. **repay.** A candidate may be applied only if its predicted saving over the next interval
+   exceeds the cost of the experts it moves across ranks: the measured cost per moved copy of
+   the rearrangements so far (what their in-flight steps took beyond the idle mean), or, before
+   any was measured, a pessimistic prior from the copy's bytes (:data:`PRIOR_BYTES_PER_US`).
+   Of those that may, the one with the largest net gain (saving over the interval less the
+   cost) is applied: the fastest placement is not the best plan when it moves three times the
+   copies for the last few percent.
 
 Before step 2 builds any candidate, the committed placement's predicted time is set against a
 floor no placement can beat (:func:`~eplb_graph.control.cost_model.lower_bound_step_us`): when
@@ -48,6 +53,7 @@ from eplb_graph.control.cost_model import (
     predict_rank_us,
 )
 from eplb_graph.control.window import WindowLoad
+from eplb_graph.policy.incremental import improve_by_moves
 from eplb_graph.policy.predicted_time import pack_by_predicted_time
 from eplb_graph.policy.preserve import preserve_slots, relabel_ranks, transfers_needed
 
@@ -248,22 +254,57 @@ class PaybackGate:
         policy_plan: torch.Tensor | None,
         now: float,
     ) -> torch.Tensor | None:
-        model, committed = self.model, load.committed
+        model, committed, copy_us = self.model, load.committed, self._copy_cost_us()
         packed = pack_by_predicted_time(
             per_step, self.num_slots, self.num_ranks, self.max_replicas, model
         )
         packed = preserve_slots(committed, relabel_ranks(committed, packed, self.num_ranks),
                                 self.num_ranks)  # fmt: skip
-        candidates = {"predicted_time": packed}
+        candidates = {
+            "predicted_time": packed,
+            "fewest_moves": improve_by_moves(
+                committed, per_step, self.num_ranks, self.max_replicas, model,
+                self.margin * copy_us, self.step_interval,
+            ),
+        }  # fmt: skip
         if policy_plan is not None:
             candidates["policy"] = policy_plan
-        timed = {name: self._step_us(plan, per_step) for name, plan in candidates.items()}
-        name = min(timed, key=lambda n: (timed[n], n != "policy"))
-        plan, predicted = candidates[name], timed[name]
+        figures = {name: self._figures(committed, plan, per_step, now, copy_us)
+                   for name, plan in candidates.items()}  # fmt: skip
+        reasons = {name: self._refusal(committed, plan, figures[name], now)
+                   for name, plan in candidates.items()}  # fmt: skip
+        eligible = [name for name in candidates if reasons[name] is None]
+        if not eligible:
+            # Report the faster candidate that came closest to repaying (the fastest when none
+            # is faster than the committed placement).
+            faster = [n for n in candidates if figures[n]["saving_ms_per_step"] > 0]
+            name = (
+                max(faster, key=lambda n: (figures[n]["net_ms"], n))
+                if faster
+                else min(candidates, key=lambda n: (figures[n]["predicted_step_ms_plan"], n))
+            )
+            return self._keep(load, reasons[name], candidate=name, **figures[name])
+        name = max(eligible, key=lambda n: (figures[n]["net_ms"], n == "policy", n))
+        plan, chosen = candidates[name], figures[name]
+        self.counts["applied"] += 1
+        self._copies_applied += chosen["copies"]
+        self._pending = _Pending(plan, committed, load.feedback.epoch_index, False)
+        self._record(load, "applied", "predicted to repay its move", candidate=name, **chosen)
+        return plan
+
+    def _figures(
+        self,
+        committed: torch.Tensor,
+        plan: torch.Tensor,
+        per_step: torch.Tensor,
+        now: float,
+        copy_us: float,
+    ) -> dict[str, Any]:
+        """A candidate's predicted step, saving, copies, cost and net gain over the horizon."""
+        predicted = self._step_us(plan, per_step)
         copies = int(transfers_needed(committed, plan, self.num_ranks).sum())
-        copy_us = self._copy_cost_us()
-        figures = {
-            "candidate": name,
+        cost = self.margin * copies * copy_us
+        return {
             "predicted_step_ms_now": now / 1e3,
             "predicted_step_ms_plan": predicted / 1e3,
             "saving_ms_per_step": (now - predicted) / 1e3,
@@ -271,20 +312,23 @@ class PaybackGate:
             "copies": copies,
             "cost_ms": copies * copy_us / 1e3,
             "margin": self.margin,
+            "net_ms": ((now - predicted) * self.step_interval - cost) / 1e3,
         }
-        if torch.equal(plan, committed) or predicted >= now:
-            return self._keep(load, "no placement is predicted faster", **figures)
+
+    def _refusal(
+        self, committed: torch.Tensor, plan: torch.Tensor, figures: dict, now: float
+    ) -> str | None:
+        """Why a candidate must not be applied, or ``None`` if it may."""
+        saving = figures["saving_ms_per_step"] * 1e3
+        if torch.equal(plan, committed) or saving <= 0:
+            return "no placement is predicted faster"
         if any(torch.equal(plan, refused) for refused in self._refused):
-            return self._keep(load, "this plan made steps slower before", **figures)
-        if self.min_gain_percent and (now - predicted) < now * self.min_gain_percent / 100:
-            return self._keep(load, "predicted gain below min_gain_percent", **figures)
-        if (now - predicted) * self.step_interval <= self.margin * copies * copy_us:
-            return self._keep(load, "the saving does not repay the move", **figures)
-        self.counts["applied"] += 1
-        self._copies_applied += copies
-        self._pending = _Pending(plan, committed, load.feedback.epoch_index, False)
-        self._record(load, "applied", "predicted to repay its move", **figures)
-        return plan
+            return "this plan made steps slower before"
+        if self.min_gain_percent and saving < now * self.min_gain_percent / 100:
+            return "predicted gain below min_gain_percent"
+        if figures["net_ms"] <= 0:
+            return "the saving does not repay the move"
+        return None
 
     def _step_us(self, phy2log: torch.Tensor, per_step: torch.Tensor) -> float:
         return float(predict_rank_us(phy2log, per_step, self.num_ranks, self.model).max(1).sum())
