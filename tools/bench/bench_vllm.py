@@ -253,7 +253,7 @@ REDUNDANT = 8
 
 def benefit(root: Path, args) -> dict:
     """EPLB on against off, every batch size of the curve, per shape and router."""
-    from vllm_benefit import summarize
+    from vllm_benefit import summarize, timed_calls
 
     from eplb_graph.models.tiny_qwen3_moe import write_tiny_qwen3_moe
 
@@ -266,6 +266,7 @@ def benefit(root: Path, args) -> dict:
         "batches": batches,
         "decode_tokens": tokens,
         "calls_per_engine": calls,
+        "timed_calls": {batch: timed_calls(calls, batch) for batch in batches},
         "warmup_calls": warmup,
         "redundant": REDUNDANT,
         "goals": BENEFIT_GOALS,
@@ -394,7 +395,10 @@ def main() -> None:
         "--routers", default="skewed,uniform", help="--benefit: which routers to run"
     )
     parser.add_argument(
-        "--calls", type=int, help="--benefit: timed calls per engine and batch (default 4)"
+        "--calls",
+        type=int,
+        help="--benefit: timed calls per engine from 64 sequences up (default 4; "
+        "up to 4x as many at smaller batches)",
     )
     parser.add_argument(
         "--always",

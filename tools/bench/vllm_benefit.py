@@ -80,7 +80,7 @@ def benefit_main(spec: dict, out_path: str) -> None:
         before = {name: _rank_files(folder) for name, folder in folders.items()}
         seconds: dict[str, list[float]] = {name: [] for name in engines}
         ttft: dict[str, list[float]] = {name: [] for name in engines}
-        for call in range(spec["calls"]):
+        for call in range(timed_calls(spec["calls"], batch)):
             for name in names if call % 2 == 0 else reversed(names):
                 started = time.perf_counter()
                 engines[name].generate(prompts, decode, use_tqdm=False)
@@ -101,6 +101,13 @@ def benefit_main(spec: dict, out_path: str) -> None:
             }
         )
     Path(out_path).write_text(json.dumps({"batches": batches}))
+
+
+def timed_calls(calls: int, batch: int) -> int:
+    """Timed calls per engine at ``batch``: ``calls`` from 64 sequences up, up to 4x as many
+    below (a call of 8 sequences is a few hundred ms, and on / off differ by noise there unless
+    more pairs are taken)."""
+    return calls * max(1, min(4, 64 // max(1, batch)))
 
 
 def _percentile(values: list[float], share: float) -> float | None:
