@@ -19,6 +19,7 @@ returns), and ``begin_step`` never commits anything.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -167,10 +168,20 @@ class EplbRuntime:
 
     # -- per step ------------------------------------------------------------------------------
     def begin_step(self, *, has_prefill: bool, num_valid_tokens: int) -> list[int]:
-        """Before the forward; returns the layers committed now (always empty in sync mode)."""
+        """Before the forward; returns the layers committed now (always empty in sync mode).
+
+        The step is timed from before the installs: installing a staged layer is part of what
+        moving cost this step (and a step that installs a job's last layers still moved).
+        """
+        started = time.perf_counter()
+        moving = self.moving
         committed = self.scheduler.begin_step() if self.scheduler is not None else []
         self.controller.begin_step(
-            has_prefill=has_prefill, num_valid_tokens=num_valid_tokens, in_flight=self.busy
+            has_prefill=has_prefill,
+            num_valid_tokens=num_valid_tokens,
+            in_flight=self.busy or moving,
+            moving=moving,
+            started=started,
         )
         return committed
 
@@ -195,6 +206,16 @@ class EplbRuntime:
     def busy(self) -> bool:
         """A rearrangement handed to the worker has not finished yet (async only)."""
         return self.scheduler is not None and self.scheduler.busy
+
+    @property
+    def moving(self) -> bool:
+        """A job is moving weights: it got past planning with layers to move, and its layers
+        are not all installed yet (async only). Every window close makes the worker busy; only
+        this part of it is a rearrangement's cost."""
+        return (
+            self.scheduler is not None
+            and self.pipeline.moves_started > self.scheduler.moves_settled
+        )
 
     def close(self) -> None:
         """Stop the movement worker. Serving has ended: a job waiting for the main thread to

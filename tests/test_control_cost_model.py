@@ -135,11 +135,16 @@ def _feedback(**changes) -> torch.Tensor:
     moments.values += _moments()
     epoch = {"previous": [0, 0, 0], "current": [40, 40 * 10_000, 40 * 8]}
     epoch.update({k: v for k, v in changes.items() if k in epoch})
+    for name, figures in epoch.items():  # Σ squares: every step at the mean unless given
+        if len(figures) == 3:
+            steps, micros = figures[0], figures[1]
+            epoch[name] = [*figures, int(steps * (micros / steps / 10) ** 2) if steps else 0]
     head = [2, changes.get("recorded", 10), 1]
     tail = [
         2 * changes.get("epoch", 0),
         2 * changes.get("extra_us", 0),
         2 * changes.get("moved", 0),
+        2 * changes.get("moved_all", changes.get("moved", 0)),
     ]
     window = [2 * changes.get("window_steps", 0), 0, *changes.get("expert_us", (0, 0))]
     return torch.tensor(
@@ -301,6 +306,32 @@ def test_gate_keeps_a_plan_that_did_not_slow_steps_and_gives_no_verdict_when_bat
         assert gate.counts["rollbacks"] == 0
 
 
+def test_a_slower_mean_within_the_epochs_noise_is_no_verdict_to_undo():
+    committed = Placement.default(2, 32, 8, RANKS).phy2log
+    per_step = _skewed(scale=40.0) * 4
+    steps = 2 * MIN_JUDGED_STEPS  # per rank; the vectors sum both ranks
+    before = [2 * steps, 2 * steps * 10_000, 2 * steps * 8]
+    after = [2 * steps, 2 * steps * 10_600, 2 * steps * 8]  # 6% slower on average
+    outcomes = {}
+    for spread_us in (0, 3_000):  # every step at the mean, or half of them 3 ms either side
+        gate = PaybackGate(RANKS, 40, 9, step_interval=100_000)
+        plan = gate.decide(_load(committed, per_step * 10, _feedback(epoch=0)), None)
+
+        def squares(epoch, spread_us=spread_us):
+            mean = epoch[1] / epoch[0]
+            return [*epoch, int(epoch[0] * ((mean / 10) ** 2 + (spread_us / 10) ** 2))]
+
+        vector = _feedback(epoch=1, previous=squares(before), current=squares(after))
+        gate.decide(_load(plan, per_step * 10, vector), None)
+        outcomes[spread_us] = next(d for d in gate.decisions if d["action"] != "applied")
+    assert outcomes[0]["action"] == "rollback"
+    # 3 ms spread over 16 steps a side: the difference's standard error is 1.06 ms, so 0.6 ms
+    # slower is noise.
+    assert outcomes[3_000]["action"] == "judged"
+    assert outcomes[3_000]["reason"] == "the last plan did not slow steps down"
+    assert outcomes[3_000]["noise_ms"] == pytest.approx(2 * (2 * 3**2 / steps) ** 0.5, rel=0.01)
+
+
 def test_movement_cost_is_measured_per_copy_after_a_rearrangement():
     committed = Placement.default(2, 32, 8, RANKS).phy2log
     per_step = _skewed(scale=40.0) * 4
@@ -312,6 +343,13 @@ def test_movement_cost_is_measured_per_copy_after_a_rearrangement():
         _load(plan, per_step * 10, _feedback(epoch=1, extra_us=copies * 777, moved=3)), None
     )
     assert gate.copy_us == pytest.approx(777)
+    # Of 6 moving steps only 3 could be priced (prefills, a batch that grew): their extra is
+    # scaled to all six.
+    gate.decide(
+        _load(plan, per_step * 10, _feedback(epoch=1, extra_us=copies * 777, moved=3, moved_all=6)),
+        None,
+    )
+    assert gate.copy_us == pytest.approx(2 * 777)
 
 
 def test_serving_feedback_rolls_epochs_and_measures_in_flight_cost():
@@ -321,8 +359,16 @@ def test_serving_feedback_rolls_epochs_and_measures_in_flight_cost():
         stats += torch.tensor([[10, 100_000, 2], [20, 200_000, 3]])
         feedback.step(step_us=1000, tokens=4, decode=True, in_flight=False, version=0)
     assert int(feedback.moments.values[0]) == 8  # 4 steps x 2 layers
-    feedback.step(step_us=5000, tokens=4, decode=True, in_flight=True, version=1)
+    # The worker only planned (a window it then kept): no move's cost.
+    feedback.step(step_us=9000, tokens=4, decode=True, in_flight=True, version=0)
+    assert (feedback.movement_extra_us, feedback.movement_steps_all) == (0, 0)
+    feedback.step(step_us=5000, tokens=4, decode=True, in_flight=True, moving=True, version=1)
     assert (feedback.movement_extra_us, feedback.movement_steps) == (4000, 1)
+    # Moving steps whose idle time is unknown are counted, not priced.
+    feedback.step(step_us=90_000, tokens=96, decode=False, in_flight=True, moving=True, version=1)
+    feedback.step(step_us=9000, tokens=8, decode=True, in_flight=True, moving=True, version=1)
+    assert (feedback.movement_extra_us, feedback.movement_steps) == (4000, 1)
+    assert feedback.movement_steps_all == 3
     feedback.step(step_us=900, tokens=4, decode=True, in_flight=False, version=2)
     feedback.step(step_us=1, tokens=400, decode=False, in_flight=False, version=2)  # prefill
     parsed = WindowFeedback.parse(feedback.take(recorded_steps=6))
@@ -330,6 +376,7 @@ def test_serving_feedback_rolls_epochs_and_measures_in_flight_cost():
     assert (parsed.previous.steps, parsed.previous.mean_step_us) == (4, 1000)
     assert (parsed.current.steps, parsed.current.mean_step_us) == (1, 900)
     assert int(feedback.moments.values[0]) == 4  # aged at the close
+    assert parsed.movement_cost_us == pytest.approx(3 * 4000)
 
 
 def test_rearrange_setting_is_checked_and_reaches_the_planner():

@@ -121,10 +121,12 @@ def test_a_plan_that_made_steps_slower_is_rolled_back_on_every_rank():
     # misfit model would not see): the gate measures it and plans the old placement back.
     first = _agreed(run_ranks(_rank_body, 2, 200, 4, 40.0))
     actions = [action for _, action, _ in first["decisions"]]
-    assert actions.count("applied") == 1 and actions.count("rollback") == 1
-    assert actions.index("applied") < actions.index("rollback")
-    # Not applied again: what follows the rollback must repay twice its cost, and did not.
-    after = first["decisions"][actions.index("rollback") + 1 :]
-    assert after and all(action == "kept" for _, action, _ in after)
-    assert first["margin"] == 2.0
-    assert first["placement"] == DEFAULT
+    assert actions.count("applied") >= 1 and actions.count("rollback") >= 1
+    # Every plan applied is undone at its verdict (any moved placement is slower here), and
+    # each undo doubles what the next plan must repay (a plan is never applied twice: the unit
+    # tests pin that).
+    for index, action in enumerate(actions[:-1]):
+        if action == "applied":
+            assert actions[index + 1] == "rollback", actions
+    assert first["margin"] == 2.0 ** actions.count("rollback")
+    assert actions[-1] != "applied" and first["placement"] == DEFAULT

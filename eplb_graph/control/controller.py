@@ -91,6 +91,7 @@ class EplbController:
         self._in_window = False
         self._step_started = 0.0
         self._in_flight = False
+        self._moving = False
         self._num_valid_tokens = 0
 
     # -- per step --------------------------------------------------------------------------------
@@ -101,15 +102,24 @@ class EplbController:
         return self.steps_to_rearrangement <= self.settings.effective_window_size
 
     def begin_step(
-        self, *, has_prefill: bool, num_valid_tokens: int, in_flight: bool = False
+        self,
+        *,
+        has_prefill: bool,
+        num_valid_tokens: int,
+        in_flight: bool = False,
+        moving: bool = False,
+        started: float | None = None,
     ) -> None:
         """Before the forward: decide the batch phase once, set the graph's step inputs.
 
-        ``in_flight``: a rearrangement is under way (asynchronous), so this step's time is
-        partly its cost, not the placement's.
+        ``in_flight``: the worker holds a job (asynchronous: reducing, planning or moving), so
+        this step's time is not the placement's alone. ``moving``: that job is moving weights,
+        so the step's extra time is the rearrangement's cost. ``started``: when the step began
+        (``perf_counter``), if before this call (the runtime installs staged layers first).
         """
-        self._step_started = time.perf_counter()
+        self._step_started = time.perf_counter() if started is None else started
         self._in_flight = in_flight
+        self._moving = moving
         self._num_valid_tokens = num_valid_tokens
         self._phase = BatchPhase.of_batch(has_prefill)
         collects = self.settings.load_collection_phase.collects(self._phase)
@@ -133,6 +143,7 @@ class EplbController:
             in_flight=self._in_flight,
             version=version,
             in_window=self._in_window,
+            moving=self._moving,
         )
         self.window.fold_pass_(self.state.load, placement, self._recording)
         self._phase = None

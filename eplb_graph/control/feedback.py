@@ -20,9 +20,15 @@ Three things are gathered:
   committed now (``current``) and under the one before it (``previous``), with no rearrangement
   in flight; an epoch ends when the committed placement changes. This is how a plan that made
   steps slower is found and undone;
-- **movement cost**: the time steps took beyond the current epoch's mean while a rearrangement
-  was in flight (asynchronous), or the time the window close itself took when it moved weights
-  inline (synchronous): what a rearrangement cost serving, to weigh the next one against.
+- **movement cost**: the time decode steps took beyond the current epoch's mean while a
+  rearrangement was *moving weights* (asynchronous), or the time the window close itself took
+  when it moved weights inline (synchronous): what a rearrangement cost serving, to weigh the
+  next one against. Only moving counts: every window close hands the worker a job, and the steps
+  while it merely reduces and plans (and then keeps the placement) are no move's cost; counted
+  against the copies applied, they once tripled the measured price of a copy within an hour of
+  serving and kept every later plan out. A moving step is priced only where its idle time is
+  known (a decode step at a batch within :data:`COMPARABLE_TOKENS` of the epoch's); the others
+  (prefills, a batch that grew) are counted, and the priced steps' extra is scaled up to them.
 """
 
 from __future__ import annotations
@@ -37,10 +43,13 @@ from eplb_graph.control.cost_model import MOMENTS, CostMoments, ExpertCostModel
 __all__ = ["Epoch", "ServingFeedback", "WindowFeedback", "feedback_size"]
 
 _HEAD = 3  # ranks, recorded steps, ranks that recorded
-_EPOCH = 3  # decode steps, Σ step µs, Σ tokens
-_TAIL = 3  # epoch index, movement extra µs, movement steps
+_EPOCH = 4  # decode steps, Σ step µs, Σ tokens, Σ (step µs / 10)²
+_TAIL = 4  # epoch index, movement extra µs, moving steps priced, moving steps in all
 _WINDOW = 2  # window steps timed, ranks whose placement changed during the window
 
+COMPARABLE_TOKENS = 0.2
+"""A moving decode step is priced against the epoch's mean step only when its tokens are within
+this share of the epoch's mean tokens (a larger batch is slower whatever moves)."""
 OUTLIER_FACTOR = 3.0
 """A call slower than this many times the fitted model's prediction is not a cost sample."""
 OUTLIER_MIN_US = 1000
@@ -60,10 +69,22 @@ class Epoch:
     steps: int
     step_us: int
     tokens: int
+    squares: int = 0
+    """Σ (step µs / 10)², for the spread of the step times (10 µs units keep a day of steps of a
+    second summed over eight ranks inside int64)."""
 
     @property
     def mean_step_us(self) -> float | None:
         return self.step_us / self.steps if self.steps else None
+
+    def mean_error_us(self, ranks: int) -> float | None:
+        """Standard error of :attr:`mean_step_us` (µs). Every rank times the same steps (they run
+        in lockstep), so the sample is the steps of one rank, not of all of them."""
+        if self.steps < 2:
+            return None
+        mean = self.step_us / self.steps / 10
+        variance = max(0.0, self.squares / self.steps - mean * mean) * 100
+        return (variance / max(1, self.steps // max(1, ranks))) ** 0.5
 
     @property
     def mean_tokens(self) -> float | None:
@@ -83,6 +104,7 @@ class WindowFeedback:
     epoch_index: int
     movement_extra_us: int
     movement_steps: int
+    movement_steps_all: int = 0
     window_steps: int = 0
     window_mixed: bool = False
     window_expert_us: tuple = ()
@@ -99,7 +121,7 @@ class WindowFeedback:
         previous = Epoch(*v[at : at + _EPOCH])
         current = Epoch(*v[at + _EPOCH : at + 2 * _EPOCH])
         at += 2 * _EPOCH
-        epoch_sum, extra, moved = v[at : at + _TAIL]
+        epoch_sum, extra, moved, moved_all = v[at : at + _TAIL]
         window_steps, mixed = v[at + _TAIL : fixed]
         return cls(
             ranks=ranks,
@@ -111,9 +133,22 @@ class WindowFeedback:
             epoch_index=epoch_sum // ranks,
             movement_extra_us=extra // ranks,
             movement_steps=moved // ranks,
+            movement_steps_all=moved_all // ranks,
             window_steps=window_steps // ranks,
             window_mixed=mixed > 0,
             window_expert_us=tuple(v[fixed:]),
+        )
+
+    @property
+    def movement_cost_us(self) -> float | None:
+        """What moving has cost serving so far, per rank (µs): the priced moving steps' extra,
+        scaled to every moving step; ``None`` before any moving step was priced."""
+        if not self.movement_steps:
+            return None
+        return (
+            self.movement_extra_us
+            * max(self.movement_steps_all, self.movement_steps)
+            / (self.movement_steps)
         )
 
     def measured_rank_us(self) -> list[float] | None:
@@ -162,10 +197,11 @@ class ServingFeedback:
         self.moments = CostMoments()
         self.epoch_index = 0
         self._version: int | None = None
-        self._current = [0, 0, 0]
-        self._previous = [0, 0, 0]
+        self._current = [0, 0, 0, 0]
+        self._previous = [0, 0, 0, 0]
         self.movement_extra_us = 0
         self.movement_steps = 0
+        self.movement_steps_all = 0
         self.model_source = model_source
         self.last_step_expert_ns = 0
         """Expert-op ns of the last step (all layers; 0 where the op is not timed on the host)."""
@@ -185,10 +221,12 @@ class ServingFeedback:
         in_flight: bool,
         version: int,
         in_window: bool = False,
+        moving: bool = False,
     ) -> None:
-        """One served step: its time, valid tokens, batch phase, whether a rearrangement was in
-        flight, the committed placement version it ran under, and whether its load belongs to
-        the window that closes next (its expert time is then set against the prediction)."""
+        """One served step: its time, valid tokens, batch phase, whether a job was in flight on
+        the worker (planning or moving) and whether it was moving weights, the committed
+        placement version it ran under, and whether its load belongs to the window that closes
+        next (its expert time is then set against the prediction)."""
         usable = decode and not in_flight
         expert_us = self._take_cost_samples(usable)
         if in_window:
@@ -197,11 +235,9 @@ class ServingFeedback:
             if self._window_version is not None and version != self._window_version:
                 self._window_mixed = True
             self._window_version = version
-        if in_flight:
-            mean = self._mean_current()
-            if mean is not None:
-                self.movement_extra_us += max(0, step_us - int(mean))
-                self.movement_steps += 1
+        if in_flight or moving:
+            if moving:
+                self._price_moving_step(step_us, tokens, decode)
             return
         if version != self._version:
             if self._version is not None:
@@ -211,17 +247,36 @@ class ServingFeedback:
             self._current[0] += 1
             self._current[1] += step_us
             self._current[2] += tokens
+            self._current[3] += (step_us // 10) ** 2
 
     def moved_inline(self, micros: int) -> None:
         """A synchronous rearrangement ran inside a step and took ``micros`` µs."""
         self.movement_extra_us += max(0, micros)
+        self.movement_steps += 1
+        self.movement_steps_all += 1
+
+    def _price_moving_step(self, step_us: int, tokens: int, decode: bool) -> None:
+        """Count a step that ran while weights moved; price it where its idle time is known."""
+        self.movement_steps_all += 1
+        steps, micros, epoch_tokens, _ = self._current
+        if not decode or not steps:
+            return
+        mean_tokens = epoch_tokens / steps
+        if abs(tokens - mean_tokens) > COMPARABLE_TOKENS * max(mean_tokens, 1.0):
+            return
+        self.movement_extra_us += max(0, step_us - micros // steps)
         self.movement_steps += 1
 
     def take(self, recorded_steps: int) -> torch.Tensor:
         """The vector this rank contributes to the window's reduction; ages the cost samples
         and starts the next window's timing."""
         head = [1, recorded_steps, 1 if recorded_steps > 0 else 0]
-        tail = [self.epoch_index, self.movement_extra_us, self.movement_steps]
+        tail = [
+            self.epoch_index,
+            self.movement_extra_us,
+            self.movement_steps,
+            self.movement_steps_all,
+        ]
         window = [self._window_steps, int(self._window_mixed)]
         per_rank = [0] * self._num_ranks
         per_rank[self._rank] = self._window_us
@@ -240,14 +295,10 @@ class ServingFeedback:
         self._window_version, self._window_mixed = None, False
         return vector
 
-    def _mean_current(self) -> float | None:
-        steps, micros, _ = self._current
-        return micros / steps if steps else None
-
     def _roll_epoch(self) -> None:
         if self._current[0]:
             self._previous = self._current
-        self._current = [0, 0, 0]
+        self._current = [0, 0, 0, 0]
         self.epoch_index += 1
 
     def _take_cost_samples(self, usable: bool) -> int:

@@ -8,13 +8,16 @@ inputs are sums from the window reduction):
 
 1. **judge the last plan first.** Once the placement it installed has served enough decode steps,
    its mean step time is compared with the mean under the placement before it (at a comparable
-   batch). Slower by more than :data:`SLOWER_TOLERANCE`: the old placement is planned back (a
+   batch). Slower by more than :data:`SLOWER_TOLERANCE` and by more than the two means' noise
+   (:data:`VERDICT_Z` standard errors): the old placement is planned back (a
    rollback), that plan is never applied again, and every later plan must repay twice as much
    (up to :data:`MAX_MARGIN`). No new plan is made while the last one is still being judged;
 2. **predict.** Fit the expert cost model from the serving samples
    (:class:`~eplb_graph.control.cost_model.ExpertCostModel`), and predict the busiest rank's
    expert time per step of the committed placement and of three candidates, under the window's
-   average load per step: the configured policy's plan, the placement packed by predicted time
+   average load per step with its noise shrunk away
+   (:func:`~eplb_graph.control.load_noise.shrink_to_signal`: the skew the window's time buckets
+   show to be real): the configured policy's plan, the placement packed by predicted time
    (:func:`~eplb_graph.policy.predicted_time.pack_by_predicted_time`), and the few priced moves
    from the committed placement that repay the most
    (:func:`~eplb_graph.policy.incremental.improve_by_moves`: a fresh packing moves many slots,
@@ -52,6 +55,7 @@ from eplb_graph.control.cost_model import (
     lower_bound_step_us,
     predict_rank_us,
 )
+from eplb_graph.control.load_noise import shrink_to_signal
 from eplb_graph.control.window import WindowLoad
 from eplb_graph.policy.incremental import improve_by_moves
 from eplb_graph.policy.predicted_time import pack_by_predicted_time
@@ -61,7 +65,11 @@ __all__ = ["PaybackGate"]
 
 SLOWER_TOLERANCE = 0.03
 """A placement whose mean decode step is more than 3% slower than the one before it is undone
-(less than that is within what two identical placements differ by on a busy host)."""
+(less than that is within what two identical placements differ by on a busy host) ..."""
+VERDICT_Z = 2.0
+"""... and only when it is slower by more than this many standard errors of the difference of
+the two means: at a small batch on a shared core, two epochs of the same placement differ by
+more than 3% often enough that a good plan was undone (and every later one had to repay twice)."""
 MIN_JUDGED_STEPS = 8
 """Decode steps needed on each side before a plan is judged."""
 COMPARABLE_TOKENS = 0.2
@@ -162,9 +170,13 @@ class PaybackGate:
             return self._keep(load, "cost model not fitted yet (too few timed expert calls)")
         if per_step is None:
             return self._keep(load, "no load recorded in this window")
+        # Plans are made and priced on the window's skew that is not noise: a plan fitted to a
+        # window's noise is "predicted" to save and saves nothing (load_noise's docstring).
+        per_step, signal = shrink_to_signal(load.logical, steps)
         now = self._step_us(load.committed, per_step)
         floor = lower_bound_step_us(per_step, self.num_ranks, self.model)
         figures = {
+            "signal_share": float(signal.mean()),
             "predicted_step_ms_now": now / 1e3,
             "saving_bound_ms_per_step": max(0.0, now - floor) / 1e3,
             "horizon_steps": self.step_interval,
@@ -175,7 +187,7 @@ class PaybackGate:
             return self._keep(load, "no placement can repay a move", **figures)
         if callable(policy_plan):
             policy_plan = policy_plan()
-        return self._choose(load, per_step, policy_plan, now)
+        return self._choose(load, per_step, policy_plan, now, float(signal.mean()))
 
     def _check_prediction(
         self, step: int, measured_us: list[float] | None, initial: float | None
@@ -225,7 +237,11 @@ class PaybackGate:
         if abs(tokens_after - tokens_before) > COMPARABLE_TOKENS * max(tokens_before, 1.0):
             self._record(load, "judged", "no verdict: the batch changed", **figures)
             return None
-        if after.mean_step_us > before.mean_step_us * (1 + SLOWER_TOLERANCE):
+        slower_us = after.mean_step_us - before.mean_step_us
+        errors = [epoch.mean_error_us(feedback.ranks) or 0.0 for epoch in (before, after)]
+        noise_us = VERDICT_Z * (errors[0] ** 2 + errors[1] ** 2) ** 0.5
+        figures["noise_ms"] = noise_us / 1e3
+        if slower_us > max(SLOWER_TOLERANCE * before.mean_step_us, noise_us):
             self.counts["rollbacks"] += 1
             self.margin = min(MAX_MARGIN, self.margin * 2)
             self._refused.append(pending.plan)
@@ -253,6 +269,7 @@ class PaybackGate:
         per_step: torch.Tensor,
         policy_plan: torch.Tensor | None,
         now: float,
+        signal: float,
     ) -> torch.Tensor | None:
         model, committed, copy_us = self.model, load.committed, self._copy_cost_us()
         packed = pack_by_predicted_time(
@@ -269,7 +286,8 @@ class PaybackGate:
         }  # fmt: skip
         if policy_plan is not None:
             candidates["policy"] = policy_plan
-        figures = {name: self._figures(committed, plan, per_step, now, copy_us)
+        figures = {name: {"signal_share": signal,
+                          **self._figures(committed, plan, per_step, now, copy_us)}
                    for name, plan in candidates.items()}  # fmt: skip
         reasons = {name: self._refusal(committed, plan, figures[name], now)
                    for name, plan in candidates.items()}  # fmt: skip
@@ -334,8 +352,9 @@ class PaybackGate:
         return float(predict_rank_us(phy2log, per_step, self.num_ranks, self.model).max(1).sum())
 
     def _update_copy_cost(self, feedback) -> None:
-        if feedback.movement_steps and self._copies_applied:
-            self.copy_us = feedback.movement_extra_us / self._copies_applied
+        moved = feedback.movement_cost_us
+        if moved is not None and self._copies_applied:
+            self.copy_us = moved / self._copies_applied
 
     def _copy_cost_us(self) -> float:
         if self.copy_us is not None:

@@ -34,7 +34,8 @@ class RearrangementFinished:
     ``layers_published`` counts the layers this rearrangement handed over; they are ahead of this
     marker in the queue, so when the scheduler reaches it, every one of them is installed.
     ``items_consumed`` counts the submitted windows (or the plan) this job took, several when a
-    backlog of windows was coalesced into one job.
+    backlog of windows was coalesced into one job. ``moves_started``: the pipeline's count of jobs
+    that started moving weights, this one included, when it finished.
     """
 
     generation: int
@@ -42,3 +43,4 @@ class RearrangementFinished:
     error: str | None
     layers_published: int = 0
     items_consumed: int = 1
+    moves_started: int = 0

@@ -163,6 +163,10 @@ class RebalancePipeline:
         self.record_map_path = record_map_path
         self.stats = RebalanceStats()
         self._generation = 0
+        self.moves_started = 0
+        """Jobs that got past planning with layers to move (written by the worker thread only;
+        the main thread compares it with what the finished markers it consumed reported, to
+        tell a step that ran while weights moved from one that ran while a window was planned)."""
 
     def run(self, job: Job) -> Outcome:
         """One rearrangement. Every rank must run the same jobs in the same order."""
@@ -278,6 +282,7 @@ class RebalancePipeline:
         return reduce
 
     def _move(self, attempt: _Attempt, group, old, new, changed: list[int]) -> Outcome:
+        self.moves_started += 1
         communicator = GlooStagedCommunicator(
             group,
             self.rank,

@@ -60,6 +60,7 @@ class CommitScheduler:
         self.fence_timeout_s = fence_timeout_s
         self.stats = SchedulerStats()
         self.jobs_in_flight = 0  # items handed to the worker and not consumed by a finished job
+        self.moves_settled = 0  # moving jobs whose finished marker was consumed (all installed)
         self._pending: deque[PublishedLayer | RearrangementFinished] = deque()
 
     def begin_step(self) -> list[int]:
@@ -111,6 +112,7 @@ class CommitScheduler:
 
     def _finish(self, item: RearrangementFinished) -> None:
         self.jobs_in_flight -= item.items_consumed
+        self.moves_settled = max(self.moves_settled, item.moves_started)
         self.stats.rearrangements_finished += 1
         # The job's layers were ahead of this marker in the queue: all are installed now.
         if item.layers_published:  # its windows led to committed layers, even if it aborted later

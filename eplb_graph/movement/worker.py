@@ -115,7 +115,12 @@ class MovementWorker:
                 outcome = pipeline.record_failure(error)
             self._outbox.put(
                 RearrangementFinished(
-                    job_round, outcome.ok, outcome.error, outcome.layers_delivered, consumed
+                    job_round,
+                    outcome.ok,
+                    outcome.error,
+                    outcome.layers_delivered,
+                    consumed,
+                    pipeline.moves_started,
                 )
             )
 

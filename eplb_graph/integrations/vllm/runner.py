@@ -123,7 +123,7 @@ class VllmEplbAdapter:
         if not self._calibrated:
             self._calibrate()
         self._step_started = time.perf_counter()
-        self._step_busy = self.runtime.busy
+        self._step_busy = self.runtime.moving
         self._has_prefill = self._batch_has_prefill()
         self.runtime.begin_step(
             has_prefill=self._has_prefill, num_valid_tokens=int(num_tokens_unpadded)
