@@ -48,12 +48,18 @@ _TAIL = 4  # epoch index, movement extra µs, moving steps priced, moving steps 
 _WINDOW = 2  # window steps timed, ranks whose placement changed during the window
 
 COMPARABLE_TOKENS = 0.2
-"""A moving decode step is priced against the epoch's mean step only when its tokens are within
-this share of the epoch's mean tokens (a larger batch is slower whatever moves)."""
+"""Two batches are comparable when their mean tokens differ by at most this share: a moving
+step is priced against its epoch's mean step, and a plan judged against the one before it, only
+then (a larger batch is slower whatever the placement or the movement)."""
 OUTLIER_FACTOR = 3.0
 """A call slower than this many times the fitted model's prediction is not a cost sample."""
 OUTLIER_MIN_US = 1000
 """... and only when it is at least this much slower (µs): a short call's jitter is no outlier."""
+
+
+def comparable_batches(tokens: float, reference: float) -> bool:
+    """Whether ``tokens`` per step is within :data:`COMPARABLE_TOKENS` of ``reference``."""
+    return abs(tokens - reference) <= COMPARABLE_TOKENS * max(reference, 1.0)
 
 
 def feedback_size(num_ranks: int) -> int:
@@ -145,11 +151,8 @@ class WindowFeedback:
         scaled to every moving step; ``None`` before any moving step was priced."""
         if not self.movement_steps:
             return None
-        return (
-            self.movement_extra_us
-            * max(self.movement_steps_all, self.movement_steps)
-            / (self.movement_steps)
-        )
+        every = max(self.movement_steps_all, self.movement_steps)
+        return self.movement_extra_us * every / self.movement_steps
 
     def measured_rank_us(self) -> list[float] | None:
         """Each rank's mean expert µs per step over the window's steps (``None`` if the window
@@ -261,8 +264,7 @@ class ServingFeedback:
         steps, micros, epoch_tokens, _ = self._current
         if not decode or not steps:
             return
-        mean_tokens = epoch_tokens / steps
-        if abs(tokens - mean_tokens) > COMPARABLE_TOKENS * max(mean_tokens, 1.0):
+        if not comparable_batches(tokens, epoch_tokens / steps):
             return
         self.movement_extra_us += max(0, step_us - micros // steps)
         self.movement_steps += 1

@@ -55,6 +55,7 @@ from eplb_graph.control.cost_model import (
     lower_bound_step_us,
     predict_rank_us,
 )
+from eplb_graph.control.feedback import comparable_batches
 from eplb_graph.control.load_noise import shrink_to_signal
 from eplb_graph.control.window import WindowLoad
 from eplb_graph.policy.incremental import improve_by_moves
@@ -72,8 +73,6 @@ the two means: at a small batch on a shared core, two epochs of the same placeme
 more than 3% often enough that a good plan was undone (and every later one had to repay twice)."""
 MIN_JUDGED_STEPS = 8
 """Decode steps needed on each side before a plan is judged."""
-COMPARABLE_TOKENS = 0.2
-"""The two sides' mean tokens per step may differ by this share; beyond, no verdict."""
 PRIOR_BYTES_PER_US = 100.0
 """Before any rearrangement was measured, moving one expert copy is taken to cost serving 1 µs
 per 100 bytes of it (10 ms per MiB): it is staged, sent, received and installed on the cores
@@ -173,10 +172,11 @@ class PaybackGate:
         # Plans are made and priced on the window's skew that is not noise: a plan fitted to a
         # window's noise is "predicted" to save and saves nothing (load_noise's docstring).
         per_step, signal = shrink_to_signal(load.logical, steps)
+        signal_share = float(signal.mean())
         now = self._step_us(load.committed, per_step)
         floor = lower_bound_step_us(per_step, self.num_ranks, self.model)
         figures = {
-            "signal_share": float(signal.mean()),
+            "signal_share": signal_share,
             "predicted_step_ms_now": now / 1e3,
             "saving_bound_ms_per_step": max(0.0, now - floor) / 1e3,
             "horizon_steps": self.step_interval,
@@ -187,7 +187,7 @@ class PaybackGate:
             return self._keep(load, "no placement can repay a move", **figures)
         if callable(policy_plan):
             policy_plan = policy_plan()
-        return self._choose(load, per_step, policy_plan, now, float(signal.mean()))
+        return self._choose(load, per_step, policy_plan, now, signal_share)
 
     def _check_prediction(
         self, step: int, measured_us: list[float] | None, initial: float | None
@@ -234,7 +234,7 @@ class PaybackGate:
             "tokens_before": tokens_before,
             "tokens_after": tokens_after,
         }
-        if abs(tokens_after - tokens_before) > COMPARABLE_TOKENS * max(tokens_before, 1.0):
+        if not comparable_batches(tokens_after, tokens_before):
             self._record(load, "judged", "no verdict: the batch changed", **figures)
             return None
         slower_us = after.mean_step_us - before.mean_step_us
