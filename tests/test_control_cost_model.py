@@ -24,7 +24,7 @@ from eplb_graph.control.cost_model import (
     predicted_step_us,
 )
 from eplb_graph.control.feedback import ServingFeedback, WindowFeedback, feedback_size
-from eplb_graph.control.payback import MIN_JUDGED_STEPS, PaybackGate
+from eplb_graph.control.payback import MAX_UNPRICED, MIN_JUDGED_STEPS, PaybackGate
 from eplb_graph.control.planning import PolicyPlanner
 from eplb_graph.control.window import WindowLoad
 from eplb_graph.placement import Placement
@@ -229,7 +229,8 @@ def test_the_floor_is_below_every_placements_predicted_step(model):
     generator = torch.Generator().manual_seed(3)
     for trial in range(20):
         per_step = torch.rand(3, 32, generator=generator) ** 4 * (1 + trial)
-        floor = lower_bound_step_us(per_step, RANKS, model)
+        floor = lower_bound_step_us(per_step, RANKS, model, num_slots=40, max_replicas=9)
+        assert floor >= lower_bound_step_us(per_step, RANKS, model)
         layouts = [
             Placement.default(3, 32, 8, RANKS).phy2log,
             pack_by_predicted_time(per_step, 40, RANKS, 9, model),
@@ -245,6 +246,85 @@ def test_the_floor_is_below_every_placements_predicted_step(model):
     assert predicted_step_us(layout, even, RANKS, READS) == pytest.approx(
         lower_bound_step_us(even, RANKS, READS)
     )
+
+
+def test_the_floor_counts_the_reads_of_the_copies_every_slot_forces():
+    # A uniform load of 1 row per expert per step: 32 experts in 40 slots, so 8 slots hold
+    # extra copies, whatever the placement. The floor from one copy per expert sits below every
+    # such placement by those copies' reads; counting them, it is the best placement exactly
+    # (the extra copies piled onto as few experts as the cap allows, alike on both ranks).
+    even = torch.full((1, 32), 1.0)
+    one_copy_floor = lower_bound_step_us(even, RANKS, READS)
+    floor = lower_bound_step_us(even, RANKS, READS, num_slots=40, max_replicas=5)
+    piled = [*range(16), 0, 0, 0, 0, *range(16, 32), 16, 16, 16, 16]
+    best = predicted_step_us(torch.tensor([piled]), even, RANKS, READS)
+    default = predicted_step_us(Placement.default(1, 32, 8, RANKS).phy2log, even, RANKS, READS)
+    assert one_copy_floor < floor < default
+    assert best == pytest.approx(floor)
+    # A wider cap only lowers the floor (the chord to more copies is flatter), never above it.
+    assert lower_bound_step_us(even, RANKS, READS, num_slots=40, max_replicas=9) <= floor
+    with pytest.raises(ValueError, match="cannot hold"):
+        lower_bound_step_us(even, RANKS, READS, num_slots=30)
+
+
+def test_gate_does_not_plan_a_uniform_load_where_only_forced_copies_differ():
+    # The default layout's 8 extra copies cost reads no placement avoids: no plan can repay.
+    committed = Placement.default(2, 32, 8, RANKS).phy2log
+    asked = []
+    gate = PaybackGate(RANKS, 40, 5, step_interval=64, copy_bytes=3 << 20)
+    kept = gate.decide(
+        _load(committed, torch.full((2, 32), 10.0), _feedback()), lambda: asked.append(1)
+    )
+    assert kept is None and not asked
+    assert gate.decisions[-1]["reason"] == "no placement can repay a move"
+
+
+def _refusing_horizon(committed: torch.Tensor, load: WindowLoad) -> int:
+    """The first horizon (powers of 2) at which the gate prices candidates and none repays."""
+    for power in range(20):
+        gate = PaybackGate(RANKS, 40, 9, step_interval=2**power)
+        gate.decide(load, None)
+        if gate.decisions[-1]["reason"] == "the saving does not repay the move":
+            return 2**power
+    raise AssertionError("no horizon refuses after pricing")
+
+
+def test_a_refused_window_is_priced_again_only_when_something_changed():
+    committed = Placement.default(2, 32, 8, RANKS).phy2log
+    per_step = _skewed(scale=40.0) * 4
+    load = _load(committed, per_step * 10, _feedback())
+    gate = PaybackGate(RANKS, 40, 9, step_interval=_refusing_horizon(committed, load))
+    asked = []
+
+    def policy_plan():
+        asked.append(1)
+        return None
+
+    reasons = []
+    for _ in range(MAX_UNPRICED + 2):
+        assert gate.decide(load, policy_plan) is None
+        reasons.append(gate.decisions[-1]["reason"])
+    # Priced, then kept on that pricing's word MAX_UNPRICED times, then priced again.
+    unpriced = "nothing repaid when last priced, and the saving bound has not grown"
+    priced = "the saving does not repay the move"
+    assert reasons == [priced] + [unpriced] * MAX_UNPRICED + [priced]
+    assert len(asked) == 2 and gate.decisions[-2]["priced_at_step"] == load.step
+    # A load with more skew than the refused one (its saving bound grown past REPRICE_GROWTH
+    # times the refused one's):
+    # priced at once, and here a plan repays.
+    skewier = _load(committed, per_step**1.6 * 80, _feedback())
+    assert gate.decide(skewier, policy_plan) is not None and len(asked) == 3
+    # Another committed placement, or a lower copy cost: priced again too.
+    for changed in (
+        lambda g: _load(committed.flip(1), per_step * 10, _feedback()),
+        lambda g: (setattr(g, "copy_us", g._copy_cost_us() / 2), load)[1],
+    ):
+        gate = PaybackGate(RANKS, 40, 9, step_interval=_refusing_horizon(committed, load))
+        gate.decide(load, None)
+        gate.decide(load, None)
+        assert gate.decisions[-1]["reason"] == unpriced
+        gate.decide(changed(gate), None)
+        assert gate.decisions[-1]["reason"] != unpriced
 
 
 def test_gate_rolls_back_a_plan_that_made_steps_slower_and_then_asks_for_more():

@@ -209,18 +209,48 @@ def predicted_step_us(
     return float(predict_rank_us(phy2log, per_step, num_ranks, model).max(axis=1).sum())
 
 
-def lower_bound_step_us(per_step: torch.Tensor, num_ranks: int, model: ExpertCostModel) -> float:
-    """A floor under :func:`predicted_step_us` of *every* placement of ``per_step`` (``[L, N]``).
+def lower_bound_step_us(
+    per_step: torch.Tensor,
+    num_ranks: int,
+    model: ExpertCostModel,
+    num_slots: int | None = None,
+    max_replicas: int | None = None,
+) -> float:
+    """A floor under :func:`predicted_step_us` of *every* placement of ``per_step`` (``[L, N]``)
+    into ``num_slots`` slots with at most ``max_replicas`` copies of an expert.
 
     Per layer, the busiest rank takes at least the ranks' mean: every rank pays ``fixed_us``,
-    the rows are the rows wherever they go, and an expert with ``x`` expected rows split over
-    ``c`` copies is active on ``c (1 - exp(-x / c))`` slots, which never falls as ``c`` grows
-    (its derivative is ``1 - exp(-u) (1 + u) >= 0``): one copy per expert reads the least. What
-    the committed placement is predicted to take above this floor bounds what any plan can save,
-    so a planner can tell that no plan repays a move without building one.
+    and the rows are the rows wherever they go. The reads are where placements differ: an
+    expert with ``x`` expected rows split over ``c`` copies is active on
+    ``f(c) = c (1 - exp(-x / c))`` slots, which never falls as ``c`` grows (its derivative is
+    ``1 - exp(-u) (1 + u) >= 0``, ``u = x / c``) and is concave in ``c``. So one copy per expert
+    reads the least, but a layer has ``P - N`` slots more than experts and every slot holds a
+    copy: those extra copies are paid for whatever the placement. Concavity puts ``f`` above its
+    chord between 1 and ``R`` copies, so each extra copy of an expert adds at least the chord's
+    slope, and the cheapest ``P - N`` of those slopes (``R - 1`` per expert) are a floor under
+    the extra reads. Without it, the floor sat one forced copy's reads per replica below every
+    real placement: at a small uniform batch (a replica's read about 1 ms of the step) the gate
+    concluded a plan might repay and built and priced candidates each window for nothing.
+
+    What the committed placement is predicted to take above this floor bounds what any plan can
+    save, so a planner can tell that no plan repays a move without building one.
+    ``num_slots`` ``None``: one slot per expert (no forced copies).
     """
     load = torch.as_tensor(per_step).to(torch.float64).numpy()
+    num_experts = load.shape[1]
     rows = load.sum(axis=1)
     active = (1.0 - np.exp(-load)).sum(axis=1)
+    extra = 0 if num_slots is None else num_slots - num_experts
+    if extra < 0:
+        raise ValueError(f"{num_slots} slots cannot hold {num_experts} experts")
+    cap = min(max_replicas or 1 + extra, 1 + extra)
+    if extra and cap > 1:
+        # Slope of each expert's chord from 1 to ``cap`` copies; an expert takes at most
+        # ``cap - 1`` extra copies, so the cheapest ``extra`` slopes, each repeated that often.
+        one = 1.0 - np.exp(-load)
+        capped = cap * (1.0 - np.exp(-load / cap))
+        slopes = np.sort((capped - one) / (cap - 1), axis=1)
+        slopes = np.repeat(slopes, cap - 1, axis=1)[:, :extra]
+        active = active + slopes.sum(axis=1)
     per_layer = model.fixed_us + (model.row_us * rows + model.read_us * active) / num_ranks
     return float(per_layer.sum())

@@ -34,7 +34,12 @@ Before step 2 builds any candidate, the committed placement's predicted time is 
 floor no placement can beat (:func:`~eplb_graph.control.cost_model.lower_bound_step_us`): when
 even that saving cannot repay one copy, the window is kept without planning. That is the common
 case of a balanced or weight-read-bound engine, and the planning it skips (the policy's plan and
-the packer, tens of ms) runs on the cores that serve.
+the packer, tens of ms) runs on the cores that serve. The floor counts the reads of the copies
+that a layer with more slots than experts holds whatever its placement. And a window whose
+candidates were all priced and refused answers for the next ones while the placement, margin
+and copy cost stay and the floor's bound has not grown past :data:`REPRICE_GROWTH` times its own
+(at most :data:`MAX_UNPRICED` in a row): at a small batch the bound can stay just above one copy's
+cost while no candidate comes near it, and every window would pay to learn that again.
 
 Every decision is kept (newest :data:`KEPT`) with its figures, for the metrics files, and so is
 every window's check of the model: the busiest rank's predicted expert ms per step under the
@@ -82,6 +87,12 @@ PRIOR_COPY_READS = 100.0
 """The same prior where the bytes of a copy are unknown: 100 of its weight reads by the kernel."""
 MAX_MARGIN = 8.0
 KEPT = 16
+REPRICE_GROWTH = 1.25
+"""A window whose saving bound is more than this many times the bound of the last window whose
+candidates were all priced and refused is priced again (its load moved toward a skew a plan
+could use) ..."""
+MAX_UNPRICED = 7
+"""... and so is every window after this many kept in a row on the last pricing's word."""
 
 PolicyPlan = torch.Tensor | Callable[[], torch.Tensor | None] | None
 """The configured policy's candidate: a plan, a callable making it on demand, or none."""
@@ -93,6 +104,19 @@ class _Pending:
     before: torch.Tensor
     epoch: int
     rollback: bool
+
+
+@dataclass
+class _Refusal:
+    """The last window whose candidates were all priced and none repaid, and what it was priced
+    under: while nothing of that changes, a window like it is refused again without pricing."""
+
+    step: int
+    committed: torch.Tensor
+    margin: float
+    copy_us: float
+    bound_us: float
+    unpriced: int = 0
 
 
 @dataclass
@@ -128,6 +152,7 @@ class PaybackGate:
     _copies_applied: int = 0
     _initial: torch.Tensor | None = None
     _refused: deque = field(default_factory=lambda: deque(maxlen=KEPT))
+    _last_refusal: _Refusal | None = None
 
     def decide(self, load: WindowLoad, policy_plan: PolicyPlan) -> torch.Tensor | None:
         """The placement to move to, or ``None`` to keep the committed one.
@@ -174,7 +199,9 @@ class PaybackGate:
         per_step, signal = shrink_to_signal(load.logical, steps)
         signal_share = float(signal.mean())
         now = self._step_us(load.committed, per_step)
-        floor = lower_bound_step_us(per_step, self.num_ranks, self.model)
+        floor = lower_bound_step_us(
+            per_step, self.num_ranks, self.model, self.num_slots, self.max_replicas
+        )
         figures = {
             "signal_share": signal_share,
             "predicted_step_ms_now": now / 1e3,
@@ -185,9 +212,39 @@ class PaybackGate:
         }
         if self._cannot_repay(now, now - floor, copies=1):
             return self._keep(load, "no placement can repay a move", **figures)
+        if self._refused_before(load.committed, now - floor):
+            refusal = self._last_refusal
+            refusal.unpriced += 1
+            return self._keep(
+                load, "nothing repaid when last priced, and the saving bound has not grown",
+                priced_at_step=refusal.step, **figures,
+            )  # fmt: skip
         if callable(policy_plan):
             policy_plan = policy_plan()
-        return self._choose(load, per_step, policy_plan, now, signal_share)
+        plan = self._choose(load, per_step, policy_plan, now, signal_share)
+        self._last_refusal = (
+            None
+            if plan is not None
+            else _Refusal(load.step, load.committed, self.margin, self._copy_cost_us(), now - floor)
+        )
+        return plan
+
+    def _refused_before(self, committed: torch.Tensor, bound_us: float) -> bool:
+        """Whether the last priced refusal still answers this window: same placement, margin
+        and copy cost, a saving bound not grown past :data:`REPRICE_GROWTH` times its own, and
+        fewer than :data:`MAX_UNPRICED` windows kept on its word. Pricing (the policy's plan,
+        the packer, the priced moves) is most of a window's work, and it runs on the cores that
+        serve; at a small uniform batch the bound stays just above one copy's cost window after
+        window while no candidate comes near it, so every window paid for the same refusal."""
+        refusal = self._last_refusal
+        return (
+            refusal is not None
+            and refusal.unpriced < MAX_UNPRICED
+            and refusal.margin == self.margin
+            and refusal.copy_us <= self._copy_cost_us()
+            and bound_us <= REPRICE_GROWTH * refusal.bound_us
+            and torch.equal(refusal.committed, committed)
+        )
 
     def _check_prediction(
         self, step: int, measured_us: list[float] | None, initial: float | None
