@@ -33,6 +33,7 @@ model predicts over the starting layout.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -145,6 +146,7 @@ def _engine_figures(name: str, run: dict, tokens: int) -> dict:
     ]
     figures = {
         "decode_tokens_per_s": run["batch"] * tokens / call_s,
+        "call_seconds": run["seconds"][name],
         "decode_step_ms": 1e3 * (call_s - prefill_s) / max(1, tokens - 1),
         "tpot_ms": {
             "p50": _percentile(timed_steps, 0.5),
@@ -208,6 +210,7 @@ def summarize(result: dict, tokens: int) -> list[dict]:
                     "min": min(pairs),
                     "max": max(pairs),
                     "count": len(pairs),
+                    **paired_interval(pairs),
                 },
                 "expert_speedup_measured": busiest_off / busiest_on
                 if busiest_on and busiest_off
@@ -226,6 +229,28 @@ def summarize(result: dict, tokens: int) -> list[dict]:
 def _paired_ratios(off: list[float], on: list[float]) -> list[float]:
     """off / on call time of each pair of calls made next to each other (> 1: on faster)."""
     return [a / b for a, b in zip(off, on, strict=True)]
+
+
+T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+         2.060, 2.056, 2.052, 2.048, 2.045, 2.042)  # fmt: skip
+"""Student's t, two-sided 95%, for 1..30 degrees of freedom (1.96 beyond)."""
+
+
+def paired_interval(pairs: list[float]) -> dict:
+    """The pairs' geometric-mean ratio and its 95% confidence interval (Student's t on the log
+    ratios: a pair's ratio is a product of the machine's drift and the engines' difference, so
+    logs make the noise additive). Why: at a small batch two engines serving the *same*
+    placement differ by a few percent call to call on this shared machine, so a point estimate
+    of 0.98x says nothing by itself; the interval says whether on was slower beyond that."""
+    logs = [math.log(p) for p in pairs if p > 0]
+    if len(logs) < 2:
+        return {"geomean": math.exp(logs[0]) if logs else None, "low": None, "high": None}
+    mean = statistics.fmean(logs)
+    freedom = len(logs) - 1
+    t = T_975[freedom - 1] if freedom <= len(T_975) else 1.96
+    half = t * statistics.stdev(logs) / math.sqrt(len(logs))
+    return {"geomean": math.exp(mean), "low": math.exp(mean - half), "high": math.exp(mean + half)}
 
 
 def plot(report: dict, path: Path) -> bool:
