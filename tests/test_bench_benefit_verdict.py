@@ -63,6 +63,8 @@ def test_verdict_over_every_skewed_curve_and_the_points_below_the_goal():
             "small/uniform": [_row(64, 0.97, 0.95, 0.985)],
         },
     }
+    control = _row(8, 1.02, 0.97, 1.06)["on"]
+    report["curves"]["small/skewed"][0]["off_again"] = control
     verdict = _benefit_verdict(report)
     assert verdict["skewed_best"] == ("small/skewed", 256, 1.42)
     assert verdict["skewed_from_64_min"] == ("wide/skewed", 64, 1.3)
@@ -71,6 +73,10 @@ def test_verdict_over_every_skewed_curve_and_the_points_below_the_goal():
         ("small/skewed", 8),
         ("small/uniform", 64),
     ]
+    # With an A/A control at that point, its ratio and interval come with it.
+    assert verdict["below_goal"][0]["aa_ratio"] == 1.02
+    assert (verdict["below_goal"][0]["aa_low"], verdict["below_goal"][0]["aa_high"]) == (0.97, 1.06)
+    assert "aa_ratio" not in verdict["below_goal"][1]
     assert [(p["curve"], p["batch"]) for p in verdict["slower_beyond_noise"]] == [
         ("small/uniform", 64)
     ]

@@ -38,6 +38,7 @@ __all__ = [
     "MOMENTS",
     "CostMoments",
     "ExpertCostModel",
+    "layer_floors_us",
     "lower_bound_step_us",
     "predict_rank_us",
     "predicted_step_us",
@@ -236,6 +237,18 @@ def lower_bound_step_us(
     save, so a planner can tell that no plan repays a move without building one.
     ``num_slots`` ``None``: one slot per expert (no forced copies).
     """
+    return float(layer_floors_us(per_step, num_ranks, model, num_slots, max_replicas).sum())
+
+
+def layer_floors_us(
+    per_step: torch.Tensor | np.ndarray,
+    num_ranks: int,
+    model: ExpertCostModel,
+    num_slots: int | None = None,
+    max_replicas: int | None = None,
+) -> np.ndarray:
+    """``[L]``: :func:`lower_bound_step_us` layer by layer (a search that moves one layer's
+    slots stops where that layer is within a copy's cost of its own floor)."""
     load = torch.as_tensor(per_step).to(torch.float64).numpy()
     num_experts = load.shape[1]
     rows = load.sum(axis=1)
@@ -252,5 +265,4 @@ def lower_bound_step_us(
         slopes = np.sort((capped - one) / (cap - 1), axis=1)
         slopes = np.repeat(slopes, cap - 1, axis=1)[:, :extra]
         active = active + slopes.sum(axis=1)
-    per_layer = model.fixed_us + (model.row_us * rows + model.read_us * active) / num_ranks
-    return float(per_layer.sum())
+    return model.fixed_us + (model.row_us * rows + model.read_us * active) / num_ranks

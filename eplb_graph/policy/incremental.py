@@ -37,7 +37,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from eplb_graph.control.cost_model import ExpertCostModel
+from eplb_graph.control.cost_model import ExpertCostModel, layer_floors_us
 
 __all__ = ["improve_by_moves"]
 
@@ -97,8 +97,13 @@ class _LayerSearch:
         np.add.at(self.held, (self.rank_of_slot, row), 1)
         self.copies = self.held.sum(axis=0)
         self.times = self._rank_times()
-        rows, active = load.sum(), (1.0 - np.exp(-load)).sum()
-        self.floor = model.fixed_us + (model.row_us * rows + model.read_us * active) / num_ranks
+        # No move here adds a copy beyond ``cap`` (nor removes an expert's last one), so the
+        # floor under every placement this search reaches counts the copies the slots force.
+        self.floor = float(
+            layer_floors_us(
+                load[None], num_ranks, model, row.shape[0], max(cap, int(self.copies.max()))
+            )[0]
+        )
 
     def _slot_us(self, expert: np.ndarray, copies: np.ndarray) -> np.ndarray:
         """Predicted µs per step of one slot of ``expert`` when it has ``copies`` copies."""

@@ -283,11 +283,16 @@ def benefit(root: Path, args) -> dict:
                 **shape["model"],
                 **shape["routers"][router],
             )
-            names = ["off", "on", *(["always"] if args.always else [])]
+            names = [
+                "off",
+                "on",
+                *(["always"] if args.always else []),
+                *(["off_again"] if args.aa else []),
+            ]
             metrics = {name: str(root / f"benefit-{shape_name}-{router}-{name}") for name in names}
 
             def engine(name: str, metrics=metrics) -> dict:
-                never = name == "off"
+                never = name.startswith("off")
                 section = {"metrics_path": metrics[name]}
                 if name == "always":
                     section.update(rearrange="always", min_gain_percent=MIN_GAIN_PERCENT)
@@ -383,6 +388,13 @@ def _benefit_verdict(report: dict) -> dict:
                         "rearrangements": on["rearrangements"],
                     }
                 )
+                if "off_again" in row:  # --aa: what two identical engines read at this point
+                    control = row["off_again"]
+                    below[-1].update(
+                        aa_ratio=control["decode_speedup"],
+                        aa_low=control["decode_speedup_pairs"].get("low"),
+                        aa_high=control["decode_speedup_pairs"].get("high"),
+                    )
     always = [
         (key, row["batch"], row["always"]["decode_speedup"], row["always"]["rearrangements"])
         for key, curve in report["curves"].items()
@@ -430,6 +442,12 @@ def main() -> None:
         "--always",
         action="store_true",
         help="--benefit: also an engine with rearrange=always (the behaviour before the model)",
+    )
+    parser.add_argument(
+        "--aa",
+        action="store_true",
+        help="--benefit: also a second 'off' engine, an A/A control: the on / off ratio that "
+        "two identical engines show at each point (the noise a ratio must beat)",
     )
     parser.add_argument(
         "--plot", type=Path, help="--benefit: write the curve as a PNG here (needs matplotlib)"

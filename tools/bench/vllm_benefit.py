@@ -74,7 +74,7 @@ def benefit_main(spec: dict, out_path: str) -> None:
         prompts = _prompts(batch)
         start = {name: _rank_files(folder) for name, folder in folders.items()}
         for name, engine in engines.items():
-            calls = 1 if name == "off" else spec["warmup_calls"]
+            calls = 1 if name.startswith("off") else spec["warmup_calls"]
             for _ in range(calls):
                 engine.generate(prompts, decode, use_tqdm=False)
         time.sleep(2.5)  # the rank files are rewritten at least every 2 s of serving
