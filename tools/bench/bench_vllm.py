@@ -378,23 +378,22 @@ def _benefit_verdict(report: dict) -> dict:
                     skewed_from_64.append((key, row["batch"], on["decode_speedup"]))
             if on["decode_speedup"] < goals["decode_ratio_min"]:
                 pairs = on["decode_speedup_pairs"]
-                below.append(
-                    {
-                        "curve": key,
-                        "batch": row["batch"],
-                        "ratio": on["decode_speedup"],
-                        "pairs_low": pairs.get("low"),
-                        "pairs_high": pairs.get("high"),
-                        "rearrangements": on["rearrangements"],
-                    }
-                )
+                point = {
+                    "curve": key,
+                    "batch": row["batch"],
+                    "ratio": on["decode_speedup"],
+                    "pairs_low": pairs.get("low"),
+                    "pairs_high": pairs.get("high"),
+                    "rearrangements": on["rearrangements"],
+                }
                 if "off_again" in row:  # --aa: what two identical engines read at this point
                     control = row["off_again"]
-                    below[-1].update(
+                    point.update(
                         aa_ratio=control["decode_speedup"],
                         aa_low=control["decode_speedup_pairs"].get("low"),
                         aa_high=control["decode_speedup_pairs"].get("high"),
                     )
+                below.append(point)
     always = [
         (key, row["batch"], row["always"]["decode_speedup"], row["always"]["rearrangements"])
         for key, curve in report["curves"].items()

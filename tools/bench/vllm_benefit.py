@@ -16,13 +16,15 @@ For each shape and router one process holds the engines, which take turns:
 - **on**: EPLB with vLLM's default ``rearrange="when_it_pays"`` (window 32, interval 64 steps,
   asynchronous): a plan is applied only when the cost model predicts it repays its move;
 - **always** (``--always``): the same, with ``rearrange="always"`` and ``min_gain_percent`` 5:
-  what eplb-graph did before the cost model.
+  what eplb-graph did before the cost model;
+- **off_again** (``--aa``): a second engine like ``off``, an A/A control: the ratio two identical
+  engines read at each point, the noise any other ratio there must beat.
 
 The batch sizes run in ascending order on the same engines (as load grows on a server): per
 batch, every engine is warmed up (the EPLB engines for two or more windows at that batch), then
 timed in turns (ABBA) on calls of prefill + ``tokens`` decode steps and on prefill-only calls;
 the on / off ratio is given both of the median calls and over each pair of neighbouring calls
-(median, min, max: the noise at that point).
+(median, min, max, and the geometric mean with its 95% interval: the noise at that point).
 Per batch and engine: decode throughput, TPOT p50/p99 (the decode steps' serving time, from the
 rank files), each rank's mean expert ms per step (the op's own clock), rearrangements and
 rollbacks; for the EPLB engines also the cost model's predicted busiest-rank expert ms against
