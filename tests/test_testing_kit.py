@@ -106,6 +106,7 @@ def test_auto_mode_follows_the_state_device(monkeypatch):
     assert resolve_graph_mode("auto", SimpleNamespace(device="npu")) == "npu_graph"
 
 
+@pytest.mark.cuda
 def test_graph_mode_device_and_unknown_modes():
     assert graph_mode_device("cuda_graph") == "cuda"
     assert graph_mode_device("npu_graph") == "npu"
@@ -115,6 +116,7 @@ def test_graph_mode_device_and_unknown_modes():
         graph_mode_device("tpu_graph")
 
 
+@pytest.mark.cuda
 def test_plugin_runs_the_documented_downstream_suite(pytester, capsys):
     pytester.makepyfile(test_my_moe_graphs=_worked_example())
     result = pytester.runpytest_inprocess("-rs", "-p", "no:cacheprovider")
@@ -142,6 +144,7 @@ def test_plugin_mode_option_narrows_the_parametrization(pytester):
     result.stdout.fnmatch_lines(["*test_modes?compile:eager? PASSED*"])
 
 
+@pytest.mark.cuda
 def test_plugin_fixtures_fail_a_model_that_routes_through_a_cloned_lookup(pytester):
     """The documented example with its lookup cloned into a buffer at build time: both fixtures
     fail it, naming the copied table."""

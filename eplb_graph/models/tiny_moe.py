@@ -48,12 +48,14 @@ class TinyMoE(nn.Module):
         self.state = state
         generator = torch.Generator().manual_seed(config.seed)
         L, N, H, F = config.num_layers, config.num_experts, config.hidden, config.intermediate
-        self.router = nn.Parameter(torch.randn(L, H, N, generator=generator), requires_grad=False)
-        # Logical expert weights (the "checkpoint"); slots are filled from them by placement.
+        device = state.device
+        router = torch.randn(L, H, N, generator=generator).to(device)  # same draws on any device
+        self.router = nn.Parameter(router, requires_grad=False)
+        # Logical expert weights (the "checkpoint", on the host); slots are filled from them by
+        # placement.
         self.expert_up = torch.randn(L, N, H, F, generator=generator) / H**0.5
         self.expert_down = torch.randn(L, N, F, H, generator=generator) / F**0.5
         phy2log = state.placement.phy2log
-        device = state.device
         self.register_buffer("slot_up", self._slots(self.expert_up, phy2log).to(device))
         self.register_buffer("slot_down", self._slots(self.expert_down, phy2log).to(device))
 
