@@ -12,6 +12,7 @@ import torch
 
 import eplb_graph
 from eplb_graph import ops
+from tests.routing_contract import check_against_reference, op_record, op_route
 
 pytestmark = [
     pytest.mark.cuda,
@@ -70,6 +71,12 @@ def test_map_and_record_on_cuda_equals_cpu(dtype, tokens, valid, offset):
     assert torch.equal(got[0], expected[0])
     assert torch.equal(got[1], expected[1])
     assert int(got[1].sum()) == int((expected[0][:valid] >= 0).sum())
+
+
+def test_cuda_kernels_follow_every_rule_of_the_reference():
+    """The registered CUDA kernels (Triton) against the reference on the same GPU, case by
+    case (``tests/routing_contract.py``)."""
+    assert check_against_reference(op_route, op_record, "cuda") == 80
 
 
 def test_map_to_physical_and_record_load_on_cuda_equal_the_fused_op():

@@ -3,8 +3,9 @@
 
 Importing this subpackage (``import eplb_graph`` does) defines the schemas, registers the fake
 kernels (for torch.compile and opcheck), the device-agnostic ATen reference kernels, the inductor
-lowering choice, the fused native CPU kernel (built on first use from ``custom_ops/csrc``) and,
-where torch_npu is importable, the NPU registrations.
+lowering choice, the fused native CPU kernel (built on first use from ``custom_ops/csrc``), the
+Triton kernels for CUDA (``cuda``, ``triton_routing``; where triton is installed) and, where
+torch_npu is importable, the NPU registrations.
 
 Modules: ``registration`` (schemas, fakes), ``checks`` (input checks shared by fakes and
 reference), ``reference`` (the oracle), ``native`` (CPU kernel loader), ``inductor``, ``npu``,
@@ -13,7 +14,7 @@ reference), ``reference`` (the oracle), ``native`` (CPU kernel loader), ``induct
 
 from __future__ import annotations
 
-from eplb_graph.ops import inductor, native, npu
+from eplb_graph.ops import cuda, inductor, native, npu
 from eplb_graph.ops.checks import INDEX_DTYPES
 from eplb_graph.ops.reference import (
     GOLDEN_HASH,
@@ -34,6 +35,7 @@ from eplb_graph.ops.wrappers import (
 )
 
 native.install()
+cuda.install()
 inductor.install()
 npu.install()
 

@@ -6,7 +6,10 @@ there, so the two tables measure the same thing on two devices.
 
 - ``floor``: a bare ``index_select`` of the ids from an ``[N]`` table;
 - ``composite``: ``log2phy[ids, position % count[ids]]`` plus ``load.scatter_add_``;
-- ``ours``: ``torch.ops.eplb_graph.map_and_record``.
+- ``ours``: ``torch.ops.eplb_graph.map_and_record`` (on CUDA the Triton kernel, one launch);
+- ``reference``: the ATen reference the op had on CUDA before it (``map_and_record_ref``);
+- ``compiled`` (CUDA only): ``map_and_record`` under ``torch.compile(fullgraph=True)``, which
+  inductor decomposes into the reference and fuses (Triton), as a compiled model runs it.
 
 On CUDA each is timed eagerly (CUDA events around a loop of calls) and inside a captured graph
 holding ``GRAPH_CALLS`` back-to-back calls (one per MoE layer of a model graph), per call. On
@@ -33,7 +36,7 @@ from bench_ops import (
 )
 
 from eplb_graph import EplbState
-from eplb_graph.ops import map_and_record
+from eplb_graph.ops import map_and_record, map_and_record_ref
 
 CUDA_TOKENS = (1, 16, 256, 4096, 32768)
 CPU_TOKENS = (1, 256)
@@ -50,13 +53,18 @@ def _variants(tokens: int, device: torch.device) -> dict[str, Callable[[], objec
     table = torch.arange(popularity.numel(), device=device)
     log2phy, count, load = state.log2phy[0], state.replica_count[0], state.load[0]
     flat = ids.reshape(-1)
-    return {
+    step = (state.offset, load, state.num_valid_tokens, state.record_enabled)
+    variants = {
         "floor": lambda: table.index_select(0, flat),
         "composite": lambda: composite(ids, log2phy, count, load),
-        "ours": lambda: map_and_record(
-            ids, log2phy, count, state.offset, load, state.num_valid_tokens, state.record_enabled
-        ),
+        "ours": lambda: map_and_record(ids, log2phy, count, *step),
+        "reference": lambda: map_and_record_ref(ids, log2phy, count, *step),
     }
+    if device.type == "cuda":
+        torch._dynamo.reset()
+        compiled = torch.compile(map_and_record, fullgraph=True, dynamic=False)
+        variants["compiled"] = lambda: compiled(ids, log2phy, count, *step)
+    return variants
 
 
 def _cuda_us(fn: Callable[[], object], calls: int) -> float:
@@ -119,6 +127,7 @@ def speed_table(device: torch.device, quick: bool = False) -> dict:
             if ours:
                 row[f"ours_over_floor_{where}"] = ours / row[f"floor_{where}_us"]
                 row[f"composite_over_ours_{where}"] = row[f"composite_{where}_us"] / ours
+                row[f"reference_over_ours_{where}"] = row[f"reference_{where}_us"] / ours
         rows.append(row)
     timer = "CUDA events" if device.type == "cuda" else "wall clock"
     return {"ok": True, "timer": timer, "graph_calls": GRAPH_CALLS, "rows": rows}

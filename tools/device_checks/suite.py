@@ -49,7 +49,7 @@ def run_cuda_tests(timeout_s: float) -> dict:
         tail = (error.stdout or b"")[-3000:]
         return {"ok": False, "why": f"timed out after {timeout_s:.0f} s", "tail": str(tail)}
     output = done.stdout + done.stderr
-    summary = output.strip().splitlines()[-1] if output.strip() else ""
+    summary = _summary_line(output)
     counts = {kind.rstrip("s") if kind.startswith("error") else kind: int(n)
               for n, kind in _OUTCOME.findall(summary)}  # fmt: skip
     skips = [line for line in output.splitlines() if line.startswith("SKIPPED")]
@@ -60,5 +60,14 @@ def run_cuda_tests(timeout_s: float) -> dict:
         "counts": counts,
         "skipped": skips,
         "summary": summary,
-        "tail": output[-4000:] if done.returncode != 0 else "",
+        "tail": output[-2000:],
     }
+
+
+def _summary_line(output: str) -> str:
+    """pytest's closing count line (``3 passed, 2 skipped in 4.1s``). Not simply the last line:
+    an interpreter-shutdown warning of a library can follow it (torch 2.11 printed one)."""
+    for line in reversed(output.splitlines()):
+        if _OUTCOME.search(line) and re.search(r" in [\d.]+s", line):
+            return line.strip("= ")
+    return ""
