@@ -106,6 +106,8 @@ class EplbRuntime:
             max_replicas=state.max_replicas,
             step_interval=control.step_interval,
             copy_bytes=slot_nbytes,
+            announce=rank == 0,
+            windows_path=control.windows_path if rank == 0 else None,
         )
         slots_per_rank = state.num_slots // state.num_ranks
         blocks = self.movement.num_staging_blocks
@@ -287,7 +289,12 @@ class EplbRuntime:
             movement["late_items"] = self.scheduler.stats.late_items
             movement["fence_timeouts"] = self.scheduler.stats.fence_timeouts
             movement["worker_alive"] = self.worker.alive
+        planner = self.planner
         return {
+            "decision": {
+                "last": getattr(planner, "last_decision", None),
+                "failures": getattr(planner, "failures", 0),
+            },
             "control": self.controller.snapshot(),
             "async": self.use_async,
             "movement": movement,

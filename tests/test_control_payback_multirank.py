@@ -44,6 +44,9 @@ def _rank_body(rank: int, world_size: int, row_us: int, hot: int, penalty_ms: fl
     per_rank = state.num_slots // world_size
     for step in range(STEPS):
         jitter = 1.0 if rank == 0 else (1.15 if step % 2 else 0.85)
+        # What the model cannot see: under any moved placement every call takes penalty_ms more.
+        moved = not torch.equal(state.placement.phy2log, placement.phy2log)
+        penalty_us = int(1000 * penalty_ms) if moved else 0
         ids = experts[torch.randint(0, hot, (32, 2), generator=generator)]
         runtime.begin_step(has_prefill=False, num_valid_tokens=32)
         busiest_us = 0.0
@@ -65,19 +68,19 @@ def _rank_body(rank: int, world_size: int, row_us: int, hot: int, penalty_ms: fl
                 local = (physical // per_rank) == owner
                 rows = int(local.sum())
                 active = int(torch.unique(physical[local]).numel())
-                times.append(20 + row_us * rows + 300 * active)
+                times.append(20 + row_us * rows + 300 * active + penalty_us)
                 if owner == rank:
                     micros = int(jitter * times[-1])
                     state.expert_stats[layer] += torch.tensor([rows, 1000 * micros, active])
             busiest_us += max(times)
-        moved = not torch.equal(state.placement.phy2log, placement.phy2log)
-        time.sleep(busiest_us / 1e6 + (penalty_ms / 1e3 if moved else 0.0))
+        time.sleep(busiest_us / 1e6)
         runtime.end_step()
     gate = runtime.planner.gate.published
     runtime.close()
     return {
         "model": gate["model"],
-        "margin": gate["margin"],
+        "moves": gate["moves"],
+        "accuracy": gate["accuracy"],
         "decisions": [(d["step"], d["action"], d["reason"]) for d in gate["decisions"]],
         "placement": state.placement.phy2log.tolist(),
         "mismatches": slot_mismatches(views, state.placement.phy2log, rank, world_size, payloads),
@@ -104,7 +107,7 @@ def test_a_plan_that_repays_its_move_is_applied_and_kept_on_every_rank():
     first = _agreed(run_ranks(_rank_body, 2, 200, 4, 0.0))
     actions = [action for _, action, _ in first["decisions"]]
     assert "applied" in actions and "rollback" not in actions
-    assert ("judged" in actions) and first["placement"] != DEFAULT
+    assert first["placement"] != DEFAULT
 
 
 @pytest.mark.multiprocess
@@ -116,17 +119,18 @@ def test_a_balanced_load_whose_time_is_weight_reads_is_never_moved():
 
 
 @pytest.mark.multiprocess
-def test_a_plan_that_made_steps_slower_is_rolled_back_on_every_rank():
-    # The model predicts a gain, but every step after the move costs 40 ms more (what a
-    # misfit model would not see): the gate measures it and plans the old placement back.
-    first = _agreed(run_ranks(_rank_body, 2, 200, 4, 40.0))
+def test_a_plan_measured_slower_than_the_placement_before_it_is_undone_on_every_rank():
+    # The model predicts a gain, but under any moved placement every expert call takes 10 ms
+    # more (what a misfit model would not see): the ranks measure it under the same load, and
+    # every rank plans the old placement back at the same window.
+    first = _agreed(run_ranks(_rank_body, 2, 200, 4, 10.0))
     actions = [action for _, action, _ in first["decisions"]]
     assert actions.count("applied") >= 1 and actions.count("rollback") >= 1
-    # Every plan applied is undone at its verdict (any moved placement is slower here), and
-    # each undo doubles what the next plan must repay (a plan is never applied twice: the unit
-    # tests pin that).
+    # Each plan applied is undone at the first window measured under it.
     for index, action in enumerate(actions[:-1]):
         if action == "applied":
-            assert actions[index + 1] == "rollback", actions
-    assert first["margin"] == 2.0 ** actions.count("rollback")
+            assert actions[index + 1] == "rollback", first["decisions"]
     assert actions[-1] != "applied" and first["placement"] == DEFAULT
+    # Each move that was undone measured a negative net: it cost more than it saved.
+    undone = [m for m in first["moves"] if m["candidate"] != "initial" and m["net_ms"] is not None]
+    assert undone and all(m["net_ms"] < 0 for m in undone[::2])

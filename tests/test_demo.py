@@ -93,7 +93,7 @@ def test_demo_when_it_pays_runs_the_control_planes_cost_model(tmp_path):
     assert gate is not None and gate["model"] is not None
     assert gate["model"]["samples"] > 0 and gate["model"]["fit_error"] >= 0
     actions = {decision["action"] for decision in gate["decisions"]}
-    assert actions and actions <= {"applied", "kept", "judged", "rollback"}
+    assert actions and actions <= {"applied", "kept", "rollback", "failed"}
     assert gate["applied"] + gate["kept"] >= 1
     assert gate["accuracy"], gate
     assert all(check["measured_busiest_ms"] > 0 for check in gate["accuracy"])

@@ -54,7 +54,7 @@ def test_the_default_is_the_payback_gate_with_one_model_and_one_decision_per_win
         assert math.isfinite(model["fit_error"])
         assert gate["decisions"], gate
         for decision in gate["decisions"]:
-            assert decision["action"] in {"applied", "kept", "judged", "rollback"}
+            assert decision["action"] in {"applied", "kept", "rollback", "failed"}
             assert decision["reason"]
         assert gate["applied"] + gate["kept"] >= 1
     # Every rank fitted the same model and took the same decisions (sums over ranks).

@@ -62,10 +62,11 @@ def comparable_batches(tokens: float, reference: float) -> bool:
     return abs(tokens - reference) <= COMPARABLE_TOKENS * max(reference, 1.0)
 
 
-def feedback_size(num_ranks: int) -> int:
+def feedback_size(num_ranks: int, num_layers: int = 1) -> int:
     """Length of the int64 vector a rank contributes to a window's reduction: the fixed part,
-    then one cell per rank for that rank's expert µs over the window's steps."""
-    return _HEAD + MOMENTS + 2 * _EPOCH + _TAIL + _WINDOW + num_ranks
+    then one cell per layer and rank for that rank's expert µs in that layer over the window's
+    steps (layer-major)."""
+    return _HEAD + MOMENTS + 2 * _EPOCH + _TAIL + _WINDOW + num_layers * num_ranks
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,7 @@ class WindowFeedback:
     window_steps: int = 0
     window_mixed: bool = False
     window_expert_us: tuple = ()
+    """Expert µs over the window's steps, per layer and rank (layer-major: ``l * ranks + r``)."""
 
     @classmethod
     def parse(cls, vector: torch.Tensor) -> WindowFeedback:
@@ -145,6 +147,23 @@ class WindowFeedback:
             window_expert_us=tuple(v[fixed:]),
         )
 
+    def to_vector(self) -> torch.Tensor:
+        """The reduced vector this was parsed from (sums over ranks), for a window record."""
+        ranks = self.ranks
+        head = [ranks, self.recorded_steps, self.recording_ranks]
+        epochs = []
+        for epoch in (self.previous, self.current):
+            epochs += [epoch.steps, epoch.step_us, epoch.tokens, epoch.squares]
+        tail = [
+            self.epoch_index * ranks,
+            self.movement_extra_us * ranks,
+            self.movement_steps * ranks,
+            self.movement_steps_all * ranks,
+        ]
+        window = [self.window_steps * ranks, int(self.window_mixed)]
+        values = head + self.moments.tolist() + epochs + tail + window
+        return torch.tensor(values + list(self.window_expert_us), dtype=torch.int64)
+
     @property
     def movement_cost_us(self) -> float | None:
         """What moving has cost serving so far, per rank (µs): the priced moving steps' extra,
@@ -154,12 +173,24 @@ class WindowFeedback:
         every = max(self.movement_steps_all, self.movement_steps)
         return self.movement_extra_us * every / self.movement_steps
 
-    def measured_rank_us(self) -> list[float] | None:
-        """Each rank's mean expert µs per step over the window's steps (``None`` if the window
-        ran under more than one placement, or timed nothing)."""
-        if self.window_mixed or not self.window_steps or not any(self.window_expert_us):
+    def measured_layer_us(self) -> list[list[float]] | None:
+        """``[L][ranks]``: each rank's mean expert µs per step in each layer over the window's
+        steps (``None`` if the window ran under more than one placement, or timed nothing)."""
+        cells = self.window_expert_us
+        if self.window_mixed or self.window_steps <= 0 or not any(cells) or len(cells) % self.ranks:
             return None
-        return [total / self.window_steps for total in self.window_expert_us]
+        ranks = self.ranks
+        return [
+            [total / self.window_steps for total in cells[start : start + ranks]]
+            for start in range(0, len(cells), ranks)
+        ]
+
+    def measured_rank_us(self) -> list[float] | None:
+        """Each rank's mean expert µs per step over the window's steps, all layers."""
+        layers = self.measured_layer_us()
+        if layers is None:
+            return None
+        return [sum(layer[rank] for layer in layers) for rank in range(self.ranks)]
 
     @property
     def steps_per_rank(self) -> float:
@@ -192,7 +223,7 @@ class ServingFeedback:
         self._rank = rank
         self._num_ranks = num_ranks
         self._window_steps = 0
-        self._window_us = 0
+        self._window_us = [0] * expert_stats.shape[0]
         self._window_version: int | None = None
         self._window_mixed = False
         self._samples = expert_stats.device.type == "cpu" and expert_stats.shape[-1] >= 3
@@ -231,10 +262,11 @@ class ServingFeedback:
         placement version it ran under, and whether its load belongs to the window that closes
         next (its expert time is then set against the prediction)."""
         usable = decode and not in_flight
-        expert_us = self._take_cost_samples(usable)
+        layer_us = self._take_cost_samples(usable)
         if in_window:
             self._window_steps += 1
-            self._window_us += expert_us
+            for layer, micros in enumerate(layer_us):
+                self._window_us[layer] += micros
             if self._window_version is not None and version != self._window_version:
                 self._window_mixed = True
             self._window_version = version
@@ -280,8 +312,9 @@ class ServingFeedback:
             self.movement_steps_all,
         ]
         window = [self._window_steps, int(self._window_mixed)]
-        per_rank = [0] * self._num_ranks
-        per_rank[self._rank] = self._window_us
+        per_rank = [0] * (self._num_ranks * len(self._window_us))
+        for layer, micros in enumerate(self._window_us):
+            per_rank[layer * self._num_ranks + self._rank] = micros
         vector = torch.tensor(
             head
             + self.moments.values.tolist()
@@ -293,7 +326,8 @@ class ServingFeedback:
             dtype=torch.int64,
         )
         self.moments.halve_()
-        self._window_steps = self._window_us = 0
+        self._window_steps = 0
+        self._window_us = [0] * len(self._window_us)
         self._window_version, self._window_mixed = None, False
         return vector
 
@@ -303,25 +337,27 @@ class ServingFeedback:
         self._current = [0, 0, 0, 0]
         self.epoch_index += 1
 
-    def _take_cost_samples(self, usable: bool) -> int:
+    def _take_cost_samples(self, usable: bool) -> list[int]:
         """Adds this step's per-layer calls to the moments when ``usable``; returns the step's
-        expert µs (0 where the op is not timed on the host).
+        expert µs per layer (none where the op is not timed on the host).
 
         Plain Python integers from one ``tolist`` of a few rows: this runs on the serving thread
         every step, where tensor bookkeeping cost more than the figures are worth.
         """
         self.last_step_expert_ns = 0
         if not self._samples:
-            return 0
+            return []
         now = self._stats.tolist()
         seen, self._seen = self._seen, now
         model = self.model_source() if usable and self.model_source is not None else None
         total_ns = 0
-        for layer, layer_seen in zip(now, seen, strict=True):
+        layer_us = [0] * len(now)
+        for index, (layer, layer_seen) in enumerate(zip(now, seen, strict=True)):
             elapsed_ns = layer[1] - layer_seen[1]
             if elapsed_ns <= 0:
                 continue  # this layer's op ran no call this step
             total_ns += elapsed_ns
+            layer_us[index] = elapsed_ns // 1000
             if not usable:
                 continue
             rows, active = layer[0] - layer_seen[0], layer[2] - layer_seen[2]
@@ -332,7 +368,7 @@ class ServingFeedback:
             self.samples_taken += 1
             self.moments.add_call(rows, active, micros)
         self.last_step_expert_ns = total_ns
-        return total_ns // 1000
+        return layer_us
 
     def snapshot(self) -> dict:
         """Cost samples taken and left out as outliers (plain values, for the metrics files)."""
@@ -346,6 +382,6 @@ def _outlier(model: ExpertCostModel, rows: int, active: int, micros: int) -> boo
     return micros > OUTLIER_FACTOR * predicted and micros - predicted > OUTLIER_MIN_US
 
 
-def empty_feedback(num_ranks: int) -> torch.Tensor:
+def empty_feedback(num_ranks: int, num_layers: int = 1) -> torch.Tensor:
     """A rank's vector when it has nothing to say (a failed fold still joins the reduction)."""
-    return torch.zeros(feedback_size(num_ranks), dtype=torch.int64)
+    return torch.zeros(feedback_size(num_ranks, num_layers), dtype=torch.int64)

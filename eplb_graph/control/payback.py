@@ -1,49 +1,52 @@
-"""``rearrange="when_it_pays"``: a plan is applied only if it repays its cost, and undone if it
-made steps slower.
+"""``rearrange="when_it_pays"``: the controller's decision at every window close.
 
-EPLB exists to make the busiest rank's step shorter. A rearrangement costs serving time (weights
-staged, exchanged and installed while steps run, or inside one step when synchronous) and pays
-back only in the steps after it. So, at every window close (identically on every rank: all the
-inputs are sums from the window reduction):
+EPLB exists to make the busiest rank's step shorter. A move costs serving time (weights staged,
+exchanged and installed while steps run) and pays back only in later steps, and only while the
+load it was planned for lasts. So at every window close, identically on every rank (every input
+is a sum from the window reduction), :meth:`PaybackGate.decide` reads top-down:
 
-1. **judge the last plan first.** Once the placement it installed has served enough decode steps,
-   its mean step time is compared with the mean under the placement before it (at a comparable
-   batch). Slower by more than :data:`SLOWER_TOLERANCE` and by more than the two means' noise
-   (:data:`VERDICT_Z` standard errors): the old placement is planned back (a
-   rollback), that plan is never applied again, and every later plan must repay twice as much
-   (up to :data:`MAX_MARGIN`). No new plan is made while the last one is still being judged;
-2. **predict.** Fit the expert cost model from the serving samples
-   (:class:`~eplb_graph.control.cost_model.ExpertCostModel`), and predict the busiest rank's
-   expert time per step of the committed placement and of three candidates, under the window's
-   average load per step with its noise shrunk away
-   (:func:`~eplb_graph.control.load_noise.shrink_to_signal`: the skew the window's time buckets
-   show to be real): the configured policy's plan, the placement packed by predicted time
-   (:func:`~eplb_graph.policy.predicted_time.pack_by_predicted_time`), and the few priced moves
-   from the committed placement that repay the most
-   (:func:`~eplb_graph.policy.incremental.improve_by_moves`: a fresh packing moves many slots,
-   and often only a handful of them make the saving);
-3. **repay.** A candidate may be applied only if its predicted saving over the next interval
-   exceeds the cost of the experts it moves across ranks: the measured cost per moved copy of
-   the rearrangements so far (what their in-flight steps took beyond the idle mean), or, before
-   any was measured, a pessimistic prior from the copy's bytes (:data:`PRIOR_BYTES_PER_US`).
-   Of those that may, the one with the largest net gain (saving over the interval less the
-   cost) is applied: the fastest placement is not the best plan when it moves three times the
-   copies for the last few percent.
+1. **evidence.** Fit the expert cost model from the serving samples
+   (:class:`~eplb_graph.control.cost_model.ExpertCostModel`); take the window's load per step
+   as served (to judge what ran) and with its noise shrunk away (to plan), and what the ranks
+   measured (:func:`~eplb_graph.control.evidence.read_window`).
+2. **what ran.** Every placement that has served keeps what it measured, per load it served
+   (:class:`~eplb_graph.control.calibration.Calibrations`). So the gate can say what a
+   placement it has served under a load like this one takes, and what any other placement
+   would take (the model, scaled as the committed placement measured against it): placements
+   are compared on the same load, and a change of traffic is never read as a good or a bad
+   plan. The newest move is credited with what it saved against the placement before it under
+   this load, and the price of a copy is learnt from the moves so far
+   (:class:`~eplb_graph.control.moves.MoveLedger`).
+3. **never slower than where it came from.** The committed placement is set against the
+   engine's starting placement (what EPLB off serves) and, after a move, the placement before
+   it (where that one was measured under a load like this one). When it is slower than either
+   by more than :data:`BACK_TOLERANCE` under the served load, the gate must go back: only
+   candidates no slower than that placement may be applied, the best of them even if it does
+   not repay its copies within one interval. A placement measured slower stays predicted
+   slower while the load is like the one it was measured under; under another load it may be
+   right again.
+4. **what could be better.** The candidates: the configured policy's plan, the placement
+   packed by predicted time (:func:`~eplb_graph.policy.predicted_time.pack_by_predicted_time`),
+   the few priced moves from the committed placement that repay the most
+   (:func:`~eplb_graph.policy.incremental.improve_by_moves`), the starting placement and the
+   one before the last move. Each is predicted under the planned load.
+5. **whether it pays.** A candidate may be applied only if its predicted saving over the next
+   interval, discounted by the share of their predicted savings that past moves realized
+   (:meth:`~eplb_graph.control.moves.MoveLedger.realized`), exceeds the copies it moves times
+   the price of a copy; of those, the largest net gain wins (the fastest placement is not the
+   best plan when it moves three times the copies for the last few percent).
 
-Before step 2 builds any candidate, the committed placement's predicted time is set against a
-floor no placement can beat (:func:`~eplb_graph.control.cost_model.lower_bound_step_us`): when
-even that saving cannot repay one copy, the window is kept without planning. That is the common
-case of a balanced or weight-read-bound engine, and the planning it skips (the policy's plan and
-the packer, tens of ms) runs on the cores that serve. The floor counts the reads of the copies
-that a layer with more slots than experts holds whatever its placement. And a window whose
-candidates were all priced and refused answers for the next ones while the placement, margin
-and copy cost stay and the floor's bound has not grown past :data:`REPRICE_GROWTH` times its own
-(at most :data:`MAX_UNPRICED` in a row): at a small batch the bound can stay just above one copy's
-cost while no candidate comes near it, and every window would pay to learn that again.
+Two shortcuts keep a window cheap where nothing can repay a move (planning runs on the cores
+that serve): before any candidate is built, the committed placement's predicted time is set
+against a floor no placement beats (:func:`~eplb_graph.control.cost_model.lower_bound_step_us`),
+and a window like the last one whose candidates were all priced and refused (same placement,
+price and a saving bound not grown past :data:`REPRICE_GROWTH` times) is refused on its word,
+at most :data:`MAX_UNPRICED` times in a row. Neither applies when the gate must go back.
 
-Every decision is kept (newest :data:`KEPT`) with its figures, for the metrics files, and so is
-every window's check of the model: the busiest rank's predicted expert ms per step under the
-committed placement against what the ranks measured over the same steps (``accuracy``).
+A window whose deciding fails (a bug, a policy error) keeps the placement and is recorded as
+``failed`` with its cause; the next window decides afresh. Every decision is kept (newest
+:data:`KEPT`) with its figures, and so is every window's check of the model against what the
+ranks measured (``accuracy``).
 """
 
 from __future__ import annotations
@@ -55,13 +58,10 @@ from typing import Any
 
 import torch
 
-from eplb_graph.control.cost_model import (
-    ExpertCostModel,
-    lower_bound_step_us,
-    predict_rank_us,
-)
-from eplb_graph.control.feedback import comparable_batches
-from eplb_graph.control.load_noise import shrink_to_signal
+from eplb_graph.control.calibration import Calibrations, load_shares
+from eplb_graph.control.cost_model import ExpertCostModel, lower_bound_step_us, predict_rank_us
+from eplb_graph.control.evidence import Evidence, check_prediction, read_window
+from eplb_graph.control.moves import MoveLedger
 from eplb_graph.control.window import WindowLoad
 from eplb_graph.policy.incremental import improve_by_moves
 from eplb_graph.policy.predicted_time import pack_by_predicted_time
@@ -69,23 +69,10 @@ from eplb_graph.policy.preserve import preserve_slots, relabel_ranks, transfers_
 
 __all__ = ["PaybackGate"]
 
-SLOWER_TOLERANCE = 0.03
-"""A placement whose mean decode step is more than 3% slower than the one before it is undone
-(less than that is within what two identical placements differ by on a busy host) ..."""
-VERDICT_Z = 2.0
-"""... and only when it is slower by more than this many standard errors of the difference of
-the two means: at a small batch on a shared core, two epochs of the same placement differ by
-more than 3% often enough that a good plan was undone (and every later one had to repay twice)."""
-MIN_JUDGED_STEPS = 8
-"""Decode steps needed on each side before a plan is judged."""
-PRIOR_BYTES_PER_US = 100.0
-"""Before any rearrangement was measured, moving one expert copy is taken to cost serving 1 µs
-per 100 bytes of it (10 ms per MiB): it is staged, sent, received and installed on the cores
-that serve, while steps run. Deliberately pessimistic (a first rearrangement is a gamble the
-measured cost then corrects); a plan that pays anyway pays by a wide margin."""
-PRIOR_COPY_READS = 100.0
-"""The same prior where the bytes of a copy are unknown: 100 of its weight reads by the kernel."""
-MAX_MARGIN = 8.0
+BACK_TOLERANCE = 0.05
+"""The committed placement must go back when it is more than 5% slower, under the served load,
+than the starting placement or the one before the last move: below that, two measurements of
+one placement on a shared host differ by as much."""
 KEPT = 16
 REPRICE_GROWTH = 1.25
 """A window whose saving bound is more than this many times the bound of the last window whose
@@ -99,21 +86,12 @@ PolicyPlan = torch.Tensor | Callable[[], torch.Tensor | None] | None
 
 
 @dataclass
-class _Pending:
-    plan: torch.Tensor
-    before: torch.Tensor
-    epoch: int
-    rollback: bool
-
-
-@dataclass
 class _Refusal:
     """The last window whose candidates were all priced and none repaid, and what it was priced
     under: while nothing of that changes, a window like it is refused again without pricing."""
 
     step: int
     committed: torch.Tensor
-    margin: float
     copy_us: float
     bound_us: float
     unpriced: int = 0
@@ -128,7 +106,7 @@ class PaybackGate:
         max_replicas: lookup width ``R`` (no candidate gives an expert more copies).
         step_interval: steps between window closes: the horizon a plan must repay within.
         min_gain_percent: additionally, the predicted busiest-rank time must fall by this share.
-        copy_bytes: bytes of one expert copy (the prior cost of a move; 0: unknown).
+        copy_bytes: bytes of one expert copy (the prior and the floor of a copy's price).
     """
 
     num_ranks: int
@@ -138,218 +116,219 @@ class PaybackGate:
     min_gain_percent: int = 0
     copy_bytes: int = 0
     model: ExpertCostModel | None = None
-    margin: float = 1.0
     decisions: deque = field(default_factory=lambda: deque(maxlen=KEPT))
     counts: dict = field(
-        default_factory=lambda: {"applied": 0, "kept": 0, "rollbacks": 0, "judged_kept": 0}
+        default_factory=lambda: {"applied": 0, "kept": 0, "rollbacks": 0, "failed": 0}
     )
-    copy_us: float | None = None
     predicted_rank_ms: list | None = None
     measured_rank_ms: list | None = None
     accuracy: deque = field(default_factory=lambda: deque(maxlen=KEPT))
     published: dict | None = None
-    _pending: _Pending | None = None
-    _copies_applied: int = 0
+    ledger: MoveLedger = field(init=False)
+    copy_source: str = "prior"
     _initial: torch.Tensor | None = None
-    _refused: deque = field(default_factory=lambda: deque(maxlen=KEPT))
+    _calibrations: Calibrations = field(init=False)
+    _shares: torch.Tensor | None = None
     _last_refusal: _Refusal | None = None
+    _copy_us: float = 0.0
 
+    def __post_init__(self) -> None:
+        self.ledger = MoveLedger(self.copy_bytes)
+        self._calibrations = Calibrations(self._step_us)
+        self.step_interval = max(1, int(self.step_interval))
+
+    # -- the decision ----------------------------------------------------------------------------
     def decide(self, load: WindowLoad, policy_plan: PolicyPlan) -> torch.Tensor | None:
         """The placement to move to, or ``None`` to keep the committed one.
 
         ``policy_plan``: the configured policy's plan, or a callable that makes it (called only
-        if some placement could repay a move), or ``None``.
+        if some placement could repay a move), or ``None``. Never raises: a failure keeps the
+        placement and is recorded (``failed``) with its cause.
         """
         try:
             return self._decide(load, policy_plan)
+        except Exception as error:
+            self.failed(load.step, error)
+            return None
         finally:
             # One immutable document per decision: the metrics writer's thread reads it while
             # the next window may already be deciding on the worker's.
             self.published = self.snapshot()
 
-    def _decide(self, load: WindowLoad, policy_plan: PolicyPlan) -> torch.Tensor | None:
-        feedback = load.feedback
-        if feedback is None:
-            return self._keep(load, "no serving feedback in this window")
-        self.model = ExpertCostModel.fit(feedback.moments) or self.model
-        self._update_copy_cost(feedback)
-        steps = feedback.steps_per_rank
-        per_step = load.logical.sum(dim=0).to(torch.float64) / steps if steps else None
-        if self.model is not None and per_step is not None:
-            ranks = predict_rank_us(load.committed, per_step, self.num_ranks, self.model)
-            self.predicted_rank_ms = (ranks.sum(axis=0) / 1e3).tolist()
-            if self._initial is None:
-                self._initial = load.committed
-            initial = predict_rank_us(self._initial, per_step, self.num_ranks, self.model)
-            self._check_prediction(
-                load.step, feedback.measured_rank_us(), float(initial.sum(axis=0).max()) / 1e3
-            )
-        if self._pending is not None:
-            verdict = self._judge(load)
-            if verdict is not None:
-                return verdict
-            if self._pending is not None:
-                return self._keep(load, "the last plan is still being judged")
-        if self.model is None:
-            return self._keep(load, "cost model not fitted yet (too few timed expert calls)")
-        if per_step is None:
-            return self._keep(load, "no load recorded in this window")
-        # Plans are made and priced on the window's skew that is not noise: a plan fitted to a
-        # window's noise is "predicted" to save and saves nothing (load_noise's docstring).
-        per_step, signal = shrink_to_signal(load.logical, steps)
-        signal_share = float(signal.mean())
-        now = self._step_us(load.committed, per_step)
-        floor = lower_bound_step_us(
-            per_step, self.num_ranks, self.model, self.num_slots, self.max_replicas
+    def failed(self, step: int, error: BaseException) -> None:
+        """Record a window whose deciding failed (the placement is kept)."""
+        self.counts["failed"] += 1
+        self.decisions.append(
+            {"step": step, "action": "failed", "reason": f"{type(error).__name__}: {error}"}
         )
+
+    def _decide(self, load: WindowLoad, policy_plan: PolicyPlan) -> torch.Tensor | None:
+        evidence = self._evidence(load)
+        if isinstance(evidence, str):
+            return self._keep(load.step, evidence)
+        committed = evidence.committed
+        self._learn(evidence)
+        model = evidence.model
+        self._copy_us, self.copy_source = self.ledger.copy_us(max(model.read_us, model.row_us))
+        evidence.copy_us = self._copy_us
+        bound = self._must_go_back(evidence)
+        ratio = self._ratio(committed)
+        now = self._step_us(committed, evidence.planned) * ratio
+        realized = self.ledger.realized()
         figures = {
-            "signal_share": signal_share,
+            "signal_share": evidence.signal_share,
             "predicted_step_ms_now": now / 1e3,
-            "saving_bound_ms_per_step": max(0.0, now - floor) / 1e3,
             "horizon_steps": self.step_interval,
-            "cost_ms": self._copy_cost_us() / 1e3,
-            "margin": self.margin,
+            "copy_ms": evidence.copy_us / 1e3,
+            "realized_share": realized,
         }
-        if self._cannot_repay(now, now - floor, copies=1):
-            return self._keep(load, "no placement can repay a move", **figures)
-        if self._refused_before(load.committed, now - floor):
-            refusal = self._last_refusal
-            refusal.unpriced += 1
-            return self._keep(
-                load, "nothing repaid when last priced, and the saving bound has not grown",
-                priced_at_step=refusal.step, **figures,
-            )  # fmt: skip
+        if bound is None:
+            floor = self._floor_us(evidence) * ratio
+            figures["saving_bound_ms_per_step"] = max(0.0, now - floor) / 1e3
+            if self._cannot_repay(now, (now - floor) * realized, evidence.copy_us):
+                return self._keep(evidence.step, "no placement can repay a move", **figures)
+            if self._refused_before(committed, evidence.copy_us, now - floor):
+                return self._keep(
+                    evidence.step,
+                    "nothing repaid when last priced, and the saving bound has not grown",
+                    priced_at_step=self._last_refusal.step,
+                    **figures,
+                )
         if callable(policy_plan):
             policy_plan = policy_plan()
-        plan = self._choose(load, per_step, policy_plan, now, signal_share)
-        self._last_refusal = (
-            None
-            if plan is not None
-            else _Refusal(load.step, load.committed, self.margin, self._copy_cost_us(), now - floor)
-        )
-        return plan
+        return self._choose(evidence, self._candidates(evidence, policy_plan), now, bound)
 
-    def _refused_before(self, committed: torch.Tensor, bound_us: float) -> bool:
-        """Whether the last priced refusal still answers this window: same placement, margin
-        and copy cost, a saving bound not grown past :data:`REPRICE_GROWTH` times its own, and
-        fewer than :data:`MAX_UNPRICED` windows kept on its word. Pricing (the policy's plan,
-        the packer, the priced moves) is most of a window's work, and it runs on the cores that
-        serve; at a small uniform batch the bound stays just above one copy's cost window after
-        window while no candidate comes near it, so every window paid for the same refusal."""
-        refusal = self._last_refusal
-        return (
-            refusal is not None
-            and refusal.unpriced < MAX_UNPRICED
-            and refusal.margin == self.margin
-            and refusal.copy_us <= self._copy_cost_us()
-            and bound_us <= REPRICE_GROWTH * refusal.bound_us
-            and torch.equal(refusal.committed, committed)
-        )
+    # -- 1. evidence -----------------------------------------------------------------------------
+    def _evidence(self, load: WindowLoad) -> Evidence | str:
+        """What the window tells (:func:`~eplb_graph.control.evidence.read_window`), or why it
+        tells nothing to decide on; checks the model's prediction against the measurement."""
+        if self._initial is None:
+            self._initial = load.committed.clone()
+        self.model, evidence = read_window(load, self.model, self.num_ranks)
+        if isinstance(evidence, str):
+            return evidence
+        self._shares = load_shares(evidence.served)
+        self.ledger.movement_cost(evidence.movement_cost_us)
+        check = check_prediction(evidence, self._initial, self.num_ranks)
+        self.predicted_rank_ms, self.measured_rank_ms = check.predicted_ms, check.measured_ms
+        if check.entry is not None:
+            self.accuracy.append(check.entry)
+        return evidence
 
-    def _check_prediction(
-        self, step: int, measured_us: list[float] | None, initial: float | None
-    ) -> None:
-        """Set the busiest rank's predicted expert time against what the window measured
-        (``initial``: what the placement the engine started with is predicted to take)."""
-        if measured_us is None or len(measured_us) != self.num_ranks:
-            self.measured_rank_ms = None
+    # -- 2. what ran -----------------------------------------------------------------------------
+    def _learn(self, evidence: Evidence) -> None:
+        """Calibrate the committed placement on what it measured, and credit the newest move
+        with its saving against the placement before it, both under this window's load."""
+        measured = evidence.measured_step_us
+        if measured is None:
             return
-        self.measured_rank_ms = [us / 1e3 for us in measured_us]
-        predicted, measured = max(self.predicted_rank_ms), max(self.measured_rank_ms)
-        if measured > 0:
-            self.accuracy.append(
-                {
-                    "step": step,
-                    "predicted_busiest_ms": predicted,
-                    "measured_busiest_ms": measured,
-                    "error": (predicted - measured) / measured,
-                    "predicted_busiest_ms_initial": initial,
-                }
-            )
+        committed, served = evidence.committed, evidence.served
+        predicted = self._step_us(committed, served)
+        if predicted <= 0:
+            return
+        self._calibrations.update(committed, served, self._shares, measured)
+        move = self.ledger.newest()
+        if move is not None and torch.equal(move.plan, committed):
+            # The placement before the move, under this load: measured, if it served a load
+            # like this one; else the model with the committed placement's calibration (then
+            # the move's saving is the model's word, and so is what it promised).
+            ratio = self._ratio(move.before, committed)
+            before = self._step_us(move.before, served) * ratio
+            promised = before - predicted * ratio
+            self.ledger.credit(committed, before - measured, promised, self.step_interval)
 
-    # -- the last plan's verdict -------------------------------------------------------------
-    def _judge(self, load: WindowLoad) -> torch.Tensor | None:
-        pending, feedback = self._pending, load.feedback
-        if feedback.epoch_index > pending.epoch + 1 or (
-            feedback.epoch_index == pending.epoch + 1
-            and not torch.equal(load.committed, pending.plan)
+    def _ratio(self, placement: torch.Tensor, committed: torch.Tensor | None = None) -> float:
+        """Measured over predicted for ``placement`` under a load like this window's; for a
+        placement not measured under such a load, the ``committed`` one's, else the newest
+        calibration (the model's bias as it stands), else 1."""
+        for candidate in (placement, committed):
+            if candidate is not None:
+                calibration = self._calibrations.find(candidate, self._shares)
+                ratio = None if calibration is None else self._calibrations.ratio(calibration)
+                if ratio is not None:
+                    return ratio
+        latest = self._calibrations.latest()
+        return 1.0 if latest is None else latest
+
+    # -- 3. never slower than where it came from ---------------------------------------------
+    def _must_go_back(self, evidence: Evidence) -> float | None:
+        """The time (µs per step, planned load) no candidate may exceed when the committed
+        placement is slower than the starting one or the one before the last move under the
+        served load; ``None`` when it is not."""
+        committed, served = evidence.committed, evidence.served
+        now = self._step_us(committed, served) * self._ratio(committed)
+        references = [self._initial]
+        move = self.ledger.newest()
+        if (
+            move is not None
+            and torch.equal(move.plan, committed)
+            and self._calibrations.find(move.before, self._shares) is not None
         ):
-            self._pending = None  # replaced or aborted on the way: nothing to judge
+            # The last move is judged where the placement before it was measured under a load
+            # like this one; under another load, what it should be is a question of pricing.
+            references.append(move.before)
+        slower_than = [
+            reference
+            for reference in references
+            if not torch.equal(reference, committed)
+            and now > (1 + BACK_TOLERANCE) * self._step_us(reference, served)
+            * self._ratio(reference)
+        ]  # fmt: skip
+        if not slower_than:
             return None
-        if feedback.epoch_index == pending.epoch or pending.rollback:
-            if pending.rollback and feedback.epoch_index > pending.epoch:
-                self._pending = None  # a rollback is not judged again (no ping-pong)
-            return None
-        before, after = feedback.previous, feedback.current
-        if min(before.steps, after.steps) < MIN_JUDGED_STEPS:
-            return None
-        self._pending = None
-        tokens_before, tokens_after = before.mean_tokens, after.mean_tokens
-        figures = {
-            "step_ms_before": before.mean_step_us / 1e3,
-            "step_ms_after": after.mean_step_us / 1e3,
-            "tokens_before": tokens_before,
-            "tokens_after": tokens_after,
-        }
-        if not comparable_batches(tokens_after, tokens_before):
-            self._record(load, "judged", "no verdict: the batch changed", **figures)
-            return None
-        slower_us = after.mean_step_us - before.mean_step_us
-        errors = [epoch.mean_error_us(feedback.ranks) or 0.0 for epoch in (before, after)]
-        noise_us = VERDICT_Z * (errors[0] ** 2 + errors[1] ** 2) ** 0.5
-        figures["noise_ms"] = noise_us / 1e3
-        if slower_us > max(SLOWER_TOLERANCE * before.mean_step_us, noise_us):
-            self.counts["rollbacks"] += 1
-            self.margin = min(MAX_MARGIN, self.margin * 2)
-            self._refused.append(pending.plan)
-            self._pending = _Pending(pending.before, load.committed, feedback.epoch_index, True)
-            self._copies_applied += int(
-                transfers_needed(load.committed, pending.before, self.num_ranks).sum()
-            )
-            self._record(load, "rollback", "steps got slower under the last plan", **figures)
-            return pending.before.clone()
-        self.counts["judged_kept"] += 1
-        self._record(load, "judged", "the last plan did not slow steps down", **figures)
-        return None
+        return min(
+            self._step_us(reference, evidence.planned) * self._ratio(reference)
+            for reference in slower_than
+        )
 
-    # -- a new plan ------------------------------------------------------------------------------
-    def _cannot_repay(self, now: float, saving: float, copies: int) -> bool:
-        """Whether ``saving`` µs per step falls short of ``min_gain_percent`` or of repaying
-        ``copies`` moved copies within the horizon."""
-        if self.min_gain_percent and saving < now * self.min_gain_percent / 100:
-            return True
-        return saving * self.step_interval <= self.margin * copies * self._copy_cost_us()
-
-    def _choose(
-        self,
-        load: WindowLoad,
-        per_step: torch.Tensor,
-        policy_plan: torch.Tensor | None,
-        now: float,
-        signal: float,
-    ) -> torch.Tensor | None:
-        model, committed, copy_us = self.model, load.committed, self._copy_cost_us()
+    # -- 4. what could be better ---------------------------------------------------------------
+    def _candidates(self, evidence: Evidence, policy_plan) -> dict[str, torch.Tensor]:
+        committed, planned, model = evidence.committed, evidence.planned, evidence.model
         packed = pack_by_predicted_time(
-            per_step, self.num_slots, self.num_ranks, self.max_replicas, model
+            planned, self.num_slots, self.num_ranks, self.max_replicas, model
         )
         packed = preserve_slots(committed, relabel_ranks(committed, packed, self.num_ranks),
                                 self.num_ranks)  # fmt: skip
         candidates = {
             "predicted_time": packed,
             "fewest_moves": improve_by_moves(
-                committed, per_step, self.num_ranks, self.max_replicas, model,
-                self.margin * copy_us, self.step_interval,
+                committed, planned, self.num_ranks, self.max_replicas, model,
+                evidence.copy_us, self.step_interval,
             ),
+            "initial": self._initial,
         }  # fmt: skip
+        move = self.ledger.newest()
+        if move is not None and torch.equal(move.plan, committed):
+            candidates["previous"] = move.before
         if policy_plan is not None:
             candidates["policy"] = policy_plan
-        figures = {name: {"signal_share": signal,
-                          **self._figures(committed, plan, per_step, now, copy_us)}
-                   for name, plan in candidates.items()}  # fmt: skip
-        reasons = {name: self._refusal(committed, plan, figures[name], now)
-                   for name, plan in candidates.items()}  # fmt: skip
+        return candidates
+
+    # -- 5. whether it pays ----------------------------------------------------------------------
+    def _choose(
+        self,
+        evidence: Evidence,
+        candidates: dict[str, torch.Tensor],
+        now: float,
+        bound: float | None,
+    ) -> torch.Tensor | None:
+        committed = evidence.committed
+        figures = {
+            name: {"signal_share": evidence.signal_share,
+                   **self._figures(evidence, plan, now)}
+            for name, plan in candidates.items()
+        }  # fmt: skip
+        reasons = {
+            name: self._refusal(evidence, plan, figures[name], now, bound)
+            for name, plan in candidates.items()
+        }
         eligible = [name for name in candidates if reasons[name] is None]
         if not eligible:
+            if bound is not None:
+                return self._keep(
+                    evidence.step, "slower than before, and no candidate is faster",
+                    **figures["initial"],
+                )  # fmt: skip
             # Report the faster candidate that came closest to repaying (the fastest when none
             # is faster than the committed placement).
             faster = [n for n in candidates if figures[n]["saving_ms_per_step"] > 0]
@@ -358,86 +337,140 @@ class PaybackGate:
                 if faster
                 else min(candidates, key=lambda n: (figures[n]["predicted_step_ms_plan"], n))
             )
-            return self._keep(load, reasons[name], candidate=name, **figures[name])
+            if reasons[name] == "the saving does not repay the move":
+                bound_us = (now - self._floor_us(evidence) * self._ratio(committed)) * (
+                    self.ledger.realized()
+                )
+                self._last_refusal = _Refusal(evidence.step, committed, evidence.copy_us, bound_us)
+            return self._keep(evidence.step, reasons[name], candidate=name, **figures[name])
         name = max(eligible, key=lambda n: (figures[n]["net_ms"], n == "policy", n))
         plan, chosen = candidates[name], figures[name]
-        self.counts["applied"] += 1
-        self._copies_applied += chosen["copies"]
-        self._pending = _Pending(plan, committed, load.feedback.epoch_index, False)
-        self._record(load, "applied", "predicted to repay its move", candidate=name, **chosen)
+        self._last_refusal = None
+        self.ledger.applied(
+            evidence.step, name, committed.clone(), plan.clone(), chosen["copies"],
+            chosen["saving_ms_per_step"] * 1e3,
+        )  # fmt: skip
+        if bound is not None:
+            self.counts["rollbacks"] += 1
+            self._record(evidence.step, "rollback", "slower than before: going back",
+                         candidate=name, **chosen)  # fmt: skip
+        else:
+            self.counts["applied"] += 1
+            self._record(evidence.step, "applied", "predicted to repay its move",
+                         candidate=name, **chosen)  # fmt: skip
         return plan
 
-    def _figures(
-        self,
-        committed: torch.Tensor,
-        plan: torch.Tensor,
-        per_step: torch.Tensor,
-        now: float,
-        copy_us: float,
-    ) -> dict[str, Any]:
-        """A candidate's predicted step, saving, copies, cost and net gain over the horizon."""
-        predicted = self._step_us(plan, per_step)
-        copies = int(transfers_needed(committed, plan, self.num_ranks).sum())
-        cost = self.margin * copies * copy_us
+    def _figures(self, evidence: Evidence, plan: torch.Tensor, now: float) -> dict[str, Any]:
+        """A candidate's predicted step (calibrated: each placement by what it measured when it
+        served, a new one by the committed placement's), saving, copies, cost and net gain over
+        the horizon."""
+        predicted = self._step_us(plan, evidence.planned) * self._ratio(plan, evidence.committed)
+        copies = int(transfers_needed(evidence.committed, plan, self.num_ranks).sum())
+        cost = copies * evidence.copy_us
+        realized = self.ledger.realized()
+        expected = (now - predicted) * realized
         return {
             "predicted_step_ms_now": now / 1e3,
             "predicted_step_ms_plan": predicted / 1e3,
             "saving_ms_per_step": (now - predicted) / 1e3,
             "horizon_steps": self.step_interval,
             "copies": copies,
-            "cost_ms": copies * copy_us / 1e3,
-            "margin": self.margin,
-            "net_ms": ((now - predicted) * self.step_interval - cost) / 1e3,
+            "cost_ms": cost / 1e3,
+            "realized_share": realized,
+            "net_ms": (expected * self.step_interval - cost) / 1e3,
         }
 
     def _refusal(
-        self, committed: torch.Tensor, plan: torch.Tensor, figures: dict, now: float
+        self,
+        evidence: Evidence,
+        plan: torch.Tensor,
+        figures: dict,
+        now: float,
+        bound: float | None,
     ) -> str | None:
         """Why a candidate must not be applied, or ``None`` if it may."""
         saving = figures["saving_ms_per_step"] * 1e3
-        if torch.equal(plan, committed) or saving <= 0:
+        if torch.equal(plan, evidence.committed) or saving <= 0:
             return "no placement is predicted faster"
-        if any(torch.equal(plan, refused) for refused in self._refused):
-            return "this plan made steps slower before"
+        if bound is not None:
+            # Going back: any candidate no slower than the placement it must not exceed.
+            predicted = figures["predicted_step_ms_plan"] * 1e3
+            return None if predicted <= bound * (1 + 1e-9) else "slower than where it came from"
         if self.min_gain_percent and saving < now * self.min_gain_percent / 100:
             return "predicted gain below min_gain_percent"
         if figures["net_ms"] <= 0:
             return "the saving does not repay the move"
         return None
 
+    # -- the shortcuts ---------------------------------------------------------------------------
+    def _cannot_repay(self, now: float, bound_us: float, copy_us: float) -> bool:
+        """Whether a saving of ``bound_us`` per step falls short of ``min_gain_percent`` or of
+        repaying one copy within the horizon."""
+        if self.min_gain_percent and bound_us < now * self.min_gain_percent / 100:
+            return True
+        return bound_us * self.step_interval <= copy_us
+
+    def _floor_us(self, evidence: Evidence) -> float:
+        """The least any placement is predicted to take under the planned load (uncalibrated)."""
+        return lower_bound_step_us(
+            evidence.planned, self.num_ranks, evidence.model, self.num_slots, self.max_replicas
+        )
+
+    def _refused_before(self, committed: torch.Tensor, copy_us: float, bound_us: float) -> bool:
+        """Whether the last priced refusal still answers this window: same placement, a price
+        no lower, a saving bound not grown past :data:`REPRICE_GROWTH` times its own, and fewer
+        than :data:`MAX_UNPRICED` windows kept on its word. Pricing (the policy's plan, the
+        packer, the priced moves) is most of a window's work, and it runs on the cores that
+        serve; at a small uniform batch the bound stays just above one copy's cost window after
+        window while no candidate comes near it."""
+        refusal = self._last_refusal
+        if (
+            refusal is None
+            or refusal.unpriced >= MAX_UNPRICED
+            or copy_us < refusal.copy_us
+            or bound_us > REPRICE_GROWTH * refusal.bound_us
+            or not torch.equal(refusal.committed, committed)
+        ):
+            return False
+        refusal.unpriced += 1
+        return True
+
+    # -- predictions -----------------------------------------------------------------------------
     def _step_us(self, phy2log: torch.Tensor, per_step: torch.Tensor) -> float:
-        return float(predict_rank_us(phy2log, per_step, self.num_ranks, self.model).max(1).sum())
-
-    def _update_copy_cost(self, feedback) -> None:
-        moved = feedback.movement_cost_us
-        if moved is not None and self._copies_applied:
-            self.copy_us = moved / self._copies_applied
-
-    def _copy_cost_us(self) -> float:
-        if self.copy_us is not None:
-            return self.copy_us
-        if self.copy_bytes:
-            return self.copy_bytes / PRIOR_BYTES_PER_US
-        return PRIOR_COPY_READS * max(self.model.read_us, self.model.row_us, 1.0)
+        """Predicted expert µs of one step: each layer waits for its busiest rank."""
+        ranks = predict_rank_us(phy2log, per_step, self.num_ranks, self.model)
+        return float(ranks.max(axis=1).sum())
 
     # -- the record ------------------------------------------------------------------------------
-    def _keep(self, load: WindowLoad, reason: str, **figures) -> None:
+    def _keep(self, step: int, reason: str, **figures) -> None:
         self.counts["kept"] += 1
-        self._record(load, "kept", reason, **figures)
+        self._record(step, "kept", reason, **figures)
         return None
 
-    def _record(self, load: WindowLoad, action: str, reason: str, **figures) -> None:
-        self.decisions.append({"step": load.step, "action": action, "reason": reason, **figures})
+    def _record(self, step: int, action: str, reason: str, **figures) -> None:
+        self.decisions.append({"step": step, "action": action, "reason": reason, **figures})
+
+    @property
+    def last_decision(self) -> dict | None:
+        return self.decisions[-1] if self.decisions else None
 
     def snapshot(self) -> dict[str, Any]:
-        """Plain values for the metrics files (the model, the counts, recent decisions)."""
+        """Plain values for the metrics files (the model, the counts, recent decisions, moves)."""
+        repaid, measured = self.ledger.repaid()
+        last = self.last_decision
         return {
             "model": self.model.as_dict() if self.model is not None else None,
             "predicted_rank_ms": self.predicted_rank_ms,
             "measured_rank_ms": self.measured_rank_ms,
             "accuracy": list(self.accuracy),
-            "copy_ms": None if self.copy_us is None else self.copy_us / 1e3,
-            "margin": self.margin,
+            "copy_ms": self._copy_us / 1e3 if self.model is not None else None,
+            "copy_ms_source": self.copy_source,
             **self.counts,
+            "last_decision": None if last is None else {
+                k: last[k] for k in ("step", "action", "reason", "candidate") if k in last
+            },
             "decisions": list(self.decisions),
-        }
+            "moves": self.ledger.figures(),
+            "moves_repaid": repaid,
+            "moves_measured": measured,
+        }  # fmt: skip

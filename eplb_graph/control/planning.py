@@ -12,16 +12,19 @@ from dataclasses import dataclass, field
 
 import torch
 
+from eplb_graph.control.decision_log import DecisionLog
 from eplb_graph.control.payback import PaybackGate
 from eplb_graph.control.window import WindowLoad
+from eplb_graph.control.window_record import WindowRecorder
 from eplb_graph.policy import expert_hotness, get_policy, rebalance
 from eplb_graph.policy.metrics import balancedness_of_slots, rank_load
 
 HISTORY_OPTION = "previous_weight"
 REARRANGE_MODES = ("always", "when_it_pays")
 """``always``: apply every plan that differs (and clears ``min_gain_percent``), as upstream EPLB
-does. ``when_it_pays``: apply a plan only when the cost model predicts it repays its move, and
-undo one that made steps slower (:mod:`eplb_graph.control.payback`)."""
+does. ``when_it_pays``: apply a plan only when the cost model predicts it repays its move, and go
+back from a placement measured slower than the one before it or the starting one
+(:mod:`eplb_graph.control.payback`)."""
 
 
 @dataclass
@@ -43,6 +46,13 @@ class PolicyPlanner:
     ``max_replicas`` (the lookup width), ``step_interval`` (the horizon a plan must repay in) and
     ``copy_bytes`` (one expert copy's bytes: the prior cost of a move).
 
+    A window whose planning fails (a policy error, a bug) keeps the placement: it is recorded as
+    a ``failed`` decision with its cause (``last_decision``, ``failures``), logged as a WARNING
+    (rate-limited: :class:`~eplb_graph.control.decision_log.DecisionLog`), and the next window
+    plans again. ``announce``: log every decision (one rank of a group does). ``windows_path``:
+    record every window and its decision there
+    (:class:`~eplb_graph.control.window_record.WindowRecorder`; one rank of a group does).
+
     A policy that takes a ``previous_weight`` keyword (``churn_aware``) also gets the load of the
     window this planner saw before, so it can measure how much popularity drifts between
     rebalances and hedge against it. The planner owns that history: the option cannot be set.
@@ -61,13 +71,22 @@ class PolicyPlanner:
     max_replicas: int | None = None
     step_interval: int = 3000
     copy_bytes: int = 0
+    announce: bool = False
+    windows_path: str | None = None
     gate: PaybackGate | None = field(default=None, init=False, repr=False)
+    failures: int = field(default=0, init=False)
+    last_decision: dict | None = field(default=None, init=False)
+    _log: DecisionLog = field(init=False, repr=False)
+    _recorder: WindowRecorder | None = field(default=None, init=False, repr=False)
     _takes_history: bool = field(default=False, init=False, repr=False)
     _latest_step: int | None = field(default=None, init=False, repr=False)
     _latest: torch.Tensor | None = field(default=None, init=False, repr=False)
     _before_latest: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self._log = DecisionLog(self.announce)
+        if self.windows_path is not None:
+            self._recorder = WindowRecorder(self.windows_path, self.settings_record())
         policy = get_policy(self.policy)  # unknown names fail at start-up, not at a window
         if HISTORY_OPTION in self.options:
             raise TypeError(
@@ -97,7 +116,37 @@ class PolicyPlanner:
                     f"its options are {sorted(known) or 'none'}"
                 )
 
+    def settings_record(self) -> dict:
+        """What a replay of this planner's windows needs to build one like it."""
+        return {
+            "policy": self.policy,
+            "num_replicas": self.num_replicas,
+            "num_groups": self.num_groups,
+            "num_nodes": self.num_nodes,
+            "num_ranks": self.num_ranks,
+            "options": self.options,
+            "min_gain_percent": self.min_gain_percent,
+            "rearrange": self.rearrange,
+            "max_replicas": self.max_replicas,
+            "step_interval": self.step_interval,
+            "copy_bytes": self.copy_bytes,
+        }
+
     def __call__(self, load: WindowLoad) -> torch.Tensor | None:
+        plan = self._plan(load)
+        if self._recorder is not None:
+            decision = self.last_decision
+            if decision is not None and decision["step"] != load.step:
+                decision = None  # no decision on this window (it held no load)
+            try:
+                self._recorder.write(load, decision, plan)
+            except OSError as error:  # a full disk must not stop serving, nor planning
+                self._decided({"step": load.step, "action": "failed",
+                               "reason": f"recording the window: {error}"})  # fmt: skip
+                self._recorder = None
+        return plan
+
+    def _plan(self, load: WindowLoad) -> torch.Tensor | None:
         if float(load.logical.sum()) == 0.0:
             return None  # nothing was recorded: no evidence to plan on
         self.observe(load)
@@ -107,17 +156,39 @@ class PolicyPlanner:
                 plan = self._policy_plan(load)
                 return None if torch.equal(plan, load.committed) else plan
 
-            return self.gate.decide(load, policy_plan)
-        new_phy2log = self._policy_plan(load)
+            plan = self.gate.decide(load, policy_plan)  # never raises: failures are recorded
+            self._decided(self.gate.last_decision)
+            return plan
+        try:
+            new_phy2log = self._policy_plan(load)
+        except Exception as error:
+            self._decided({"step": load.step, "action": "failed",
+                           "reason": f"{type(error).__name__}: {error}"})  # fmt: skip
+            return None
         if torch.equal(new_phy2log, load.committed):
+            self._decided({"step": load.step, "action": "kept", "reason": "the plan is the "
+                           "committed placement"})  # fmt: skip
             return None
         if (
             self.min_gain_percent
             and predicted_gain(load.committed, new_phy2log, load.logical, self.num_ranks)
             < self.min_gain_percent / 100
         ):
+            self._decided({"step": load.step, "action": "kept",
+                           "reason": "predicted gain below min_gain_percent"})  # fmt: skip
             return None
+        self._decided({"step": load.step, "action": "applied", "reason": "the policy's plan"})
         return new_phy2log
+
+    def _decided(self, decision: dict | None) -> None:
+        if decision is None:
+            return
+        if decision["action"] == "failed":
+            self.failures += 1
+        self.last_decision = {
+            k: decision[k] for k in ("step", "action", "reason", "candidate") if k in decision
+        }
+        self._log.record(decision)
 
     def _policy_plan(self, load: WindowLoad) -> torch.Tensor:
         history = {HISTORY_OPTION: self._before_latest} if self._takes_history else {}

@@ -34,8 +34,12 @@ class ControlSettings:
     rearrange: str = "always"
     """``always``: apply every plan that differs (upstream's behaviour). ``when_it_pays``: apply
     a plan only when the expert cost model, fitted on the running engine, predicts its saving
-    over the next interval exceeds its movement cost, and undo a plan whose measured step time
-    got worse (``eplb_graph.control.payback``)."""
+    over the next interval exceeds its movement cost, and go back from a placement measured or
+    predicted slower than the starting one or the one before it under the load served
+    (``eplb_graph.control.payback``)."""
+    windows_path: str | None = None
+    """Append every closed window's reduced inputs and the decision made on them to this file
+    (JSON lines, one rank writes it), so ``eplb-graph simulate --windows`` can replay them."""
 
     def __post_init__(self) -> None:
         object.__setattr__(

@@ -236,13 +236,14 @@ def reduce_window(
         logical = fold_to_logical(rows, snapshot.placements, num_logical, time_samples)
         physical = rows.sum(dim=0).to("cpu", torch.int64)
         feedback = snapshot.feedback
-        if feedback is None or feedback.numel() != feedback_size(num_ranks):
-            feedback = empty_feedback(num_ranks)
+        if feedback is None or feedback.numel() != feedback_size(num_ranks, num_layers):
+            feedback = empty_feedback(num_ranks, num_layers)
         packed = torch.cat([logical.reshape(-1), physical.reshape(-1), feedback.to(torch.int64)])
     except Exception as error:  # still take part in the collective
         failure = error
         packed = torch.zeros(
-            logical_size + num_layers * num_slots + feedback_size(num_ranks), dtype=torch.int64
+            logical_size + num_layers * num_slots + feedback_size(num_ranks, num_layers),
+            dtype=torch.int64,
         )
     packed = reduce(packed)
     if failure is not None:

@@ -50,6 +50,13 @@ def add_parser(commands) -> argparse.ArgumentParser:
         help="replay this trace file (tools/gen_trace.py makes one); the generator options "
         "below are then ignored",
     )
+    source.add_argument(
+        "--windows",
+        metavar="JSONL",
+        help="replay the windows an engine recorded (the vLLM plugin's record_windows option) "
+        "through a planner with the engine's settings, and show each decision next to the "
+        "engine's; every other option is then ignored",
+    )
     source.add_argument("--layers", type=positive, default=58, help="generated trace: MoE layers")
     source.add_argument("--experts", type=positive, default=256, help="logical experts")
     source.add_argument("--top-k", type=positive, default=8, help="picks per token")
@@ -271,6 +278,8 @@ def _prepare(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.windows:
+        return _replay(args)
     from eplb_graph.simulate import simulator
 
     try:
@@ -302,3 +311,42 @@ def run(args: argparse.Namespace) -> int:
     except OSError as error:  # checked before the run; the disk can still fill up or vanish
         return refuse(COMMAND, f"cannot write the report: {error}")
     return 0
+
+
+def _replay(args: argparse.Namespace) -> int:
+    """``--windows``: the engine's decisions and the replay's, window by window."""
+    from eplb_graph.simulate.replay import replay_windows
+
+    try:
+        if args.json is not None:
+            check_destination(args.json, "--json")
+        report = replay_windows(args.windows)
+    except (EplbError, OSError, ValueError) as error:
+        return refuse(COMMAND, error)
+    lines = [f"{'step':>8}  {'engine':<48} {'replay':<48} same"]
+    for row in report.rows:
+        engine, replay = (_cell(row["engine"]), _cell(row["replay"]))
+        lines.append(
+            f"{row['step']:>8}  {engine:<48} {replay:<48} {'yes' if row['same'] else 'NO'}"
+        )
+    summary = report.summary()
+    lines.append(
+        f"{summary['same_decisions']} of {summary['decisions']} decisions the same "
+        f"({summary['windows']} windows)"
+    )
+    sys.stdout.write("\n".join(lines) + "\n")
+    try:
+        if args.json:
+            payload = {"summary": summary, "rows": report.rows}
+            write_text_atomically(args.json, json.dumps(payload, indent=2) + "\n")
+    except OSError as error:
+        return refuse(COMMAND, f"cannot write the report: {error}")
+    return 0 if not report.differences else 1
+
+
+def _cell(key) -> str:
+    if key is None:
+        return "-"
+    action, candidate, reason = key
+    text = f"{action}{f' {candidate}' if candidate else ''}: {reason}"
+    return text if len(text) <= 48 else text[:45] + "..."

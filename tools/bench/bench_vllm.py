@@ -64,6 +64,11 @@ def engine_main(spec_path: str, out_path: str) -> None:
 
         benefit_main(spec, out_path)
         return
+    if spec.get("kind") == "drift":
+        from vllm_drift import drift_main
+
+        drift_main(spec, out_path)
+        return
     engines = {name: LLM(model=spec["model"], **llm) for name, llm in spec["engines"].items()}
     prompts = [{"prompt_token_ids": prompt} for prompt in PROMPTS]
     sampling = SamplingParams(
@@ -352,6 +357,111 @@ def benefit(root: Path, args) -> dict:
     return report
 
 
+DRIFT_SHAPE = {
+    "hidden_size": 512, "num_layers": 3, "num_experts": 32, "top_k": 4,
+    "moe_intermediate_size": 1024,
+}  # fmt: skip
+
+
+def drift(root: Path, args) -> dict:
+    """EPLB on against off while the hot experts move (tools/bench/vllm_drift.py), repeated."""
+    from vllm_drift import CHAT_EXPERTS, CODE_EXPERTS, PHASES, summarize, verdict
+
+    from eplb_graph.models.tiny_qwen3_moe import write_tiny_qwen3_moe
+
+    batch = int(args.batch or 32)
+    rounds = args.rounds or (4 if args.quick else 10)
+    tokens = 16 if args.quick else 32
+    model = write_tiny_qwen3_moe(
+        root / "drift-model", dtype="bfloat16", domains=(CODE_EXPERTS, CHAT_EXPERTS),
+        **DRIFT_SHAPE,
+    )  # fmt: skip
+    names = ["off", "on", *(["off_again"] if args.aa else [])]
+    report = {
+        "mode": "eager" if args.quick else "compiled",
+        "shape": DRIFT_SHAPE,
+        "domains": {"code": CODE_EXPERTS, "chat": CHAT_EXPERTS},
+        "batch": batch,
+        "rounds_per_phase": rounds,
+        "decode_tokens": tokens,
+        "phases": PHASES,
+        "engines": names,
+        "runs": [],
+    }
+    for repeat in range(args.repeat):
+        metrics = {name: str(root / f"drift-{repeat}-{name}") for name in names}
+
+        def engine(name: str, metrics=metrics) -> dict:
+            never = name.startswith("off")
+            section = {"metrics_path": metrics[name], "record_windows": not never}
+            llm = engine_kwargs(
+                eplb={
+                    "eplb_config": {
+                        "window_size": 10**6 if never else 32,
+                        "step_interval": 10**6 if never else 64,
+                        "num_redundant_experts": REDUNDANT,
+                    },
+                    "additional_config": {"eplb_graph": section},
+                },
+                eager=args.quick,
+            )
+            llm.update(dtype="bfloat16", max_num_seqs=batch, max_num_batched_tokens=max(512, batch))
+            return llm
+
+        spec = {
+            "kind": "drift",
+            "model": str(model),
+            "engines": {name: engine(name) for name in names},
+            "metrics": metrics,
+            "phases": list(PHASES),
+            "rounds": rounds,
+            "batch": batch,
+            "tokens": tokens,
+            "warmup_calls": 2,
+            "seed": repeat,
+        }
+        result = run_engine(root, f"drift-{repeat}", spec)
+        run = summarize(result, batch, tokens)
+        windows = Path(metrics["on"]) / "windows.jsonl"
+        run["windows_file"] = str(windows)
+        run["replay"] = _replay(windows)
+        report["runs"].append(run)
+        for phase, figures in run["phases"].items():
+            first, adapted = figures["first"], figures["adapted"]
+            print(
+                f"  run {repeat} {phase:>7}: first {_ratio(first)}, adapted {_ratio(adapted)}; "
+                f"windows to first move {figures['windows_to_first_move']}; moves "
+                f"{[(m['action'], m['candidate'], m['copies']) for m in figures['moves']]}",
+                flush=True,
+            )
+        print(
+            f"  run {repeat} whole {_ratio(run['whole'])}; {run['rearrangements']} "
+            f"rearrangements, {run['aborted']} aborted, {run['planning_failures']} failed "
+            f"windows; moves repaid {run['moves_repaid']}/{run['moves_measured']}; replay "
+            f"{run['replay']}",
+            flush=True,
+        )
+    report["verdict"] = verdict(report["runs"])
+    return report
+
+
+def _ratio(segment: dict | None) -> str:
+    if not segment:
+        return "n/a"
+    on, pairs = segment["on"], segment["on"]["pairs"]
+    return f"{on['speedup']:.3f}x (95% {_fmt(pairs['low'])}-{_fmt(pairs['high'])})"
+
+
+def _replay(path: Path) -> dict:
+    """The recorded windows through a fresh gate: do its decisions equal the engine's?"""
+    from eplb_graph.simulate.replay import replay_windows
+
+    try:
+        return replay_windows(path).summary()
+    except (OSError, ValueError) as error:
+        return {"error": str(error)}
+
+
 def _fmt(value) -> str:
     return "n/a" if value is None else f"{value:.3f}"
 
@@ -452,6 +562,13 @@ def main() -> None:
         "--plot", type=Path, help="--benefit: write the curve as a PNG here (needs matplotlib)"
     )
     parser.add_argument(
+        "--drift",
+        action="store_true",
+        help="EPLB on vs off while the hot experts move (code, chat, mixed, uniform traffic)",
+    )
+    parser.add_argument("--repeat", type=int, default=1, help="--drift: repeated runs (default 1)")
+    parser.add_argument("--rounds", type=int, help="--drift: rounds per phase (default 10)")
+    parser.add_argument(
         "--benefit",
         action="store_true",
         help="EPLB on vs off on an experts-dominated, skewed model (and a uniform one)",
@@ -463,6 +580,20 @@ def main() -> None:
         return
     from eplb_graph.models.tiny_qwen3_moe import write_tiny_qwen3_moe
 
+    if args.drift:
+        with tempfile.TemporaryDirectory(prefix="bench-vllm-drift-") as folder:
+            print("drift: EPLB on against off while the hot experts move:")
+            report = {"quick": args.quick, "loadavg_start": os.getloadavg()}
+            report["drift"] = drift(Path(folder), args)
+            report["loadavg_end"] = os.getloadavg()
+            print(f"  verdict: {json.dumps(report['drift']['verdict'])}")
+            if args.plot is not None:
+                from vllm_drift import plot
+
+                if plot(report["drift"], args.plot):
+                    print(f"  plot: {args.plot}")
+            write_report(args.json, report)
+        return
     if args.benefit:
         with tempfile.TemporaryDirectory(prefix="bench-vllm-benefit-") as folder:
             print("benefit: EPLB on against off, experts-dominated model:")

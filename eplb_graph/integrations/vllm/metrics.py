@@ -351,7 +351,8 @@ def _cost_model_families(documents: list[dict[str, Any]]):
         for key, text in (
             ("applied", "Plans the payback gate applied"),
             ("kept", "Windows whose placement the payback gate kept"),
-            ("rollbacks", "Plans undone because steps got slower"),
+            ("rollbacks", "Steps back to a placement faster under the load served now"),
+            ("failed", "Windows whose deciding failed (the placement was kept)"),
         )
     }
     for document in documents:

@@ -73,6 +73,9 @@ class PluginOptions(Validated):
     weight_digests: bool = option(
         False, doc="hash every local slot's kernel tensors at attach and after each commit"
     )
+    record_windows: bool = option(
+        False, doc="write every window's inputs and decision to windows.jsonl (simulate --windows)"
+    )
     layers_per_step: int = option(
         1, minimum=1, maximum=1 << 16, doc="layers committed together (capped by the model's)"
     )
@@ -101,6 +104,11 @@ class PluginOptions(Validated):
                 f"{PREFIX}.record_map_path",
                 "cannot be combined with expert_map_path: record mode never moves weights, so "
                 "it cannot start from another map; keep one of the two",
+            )
+        if self.record_windows and self.metrics_path is None:
+            raise ConfigError(
+                f"{PREFIX}.record_windows",
+                "needs metrics_path: the windows are written into its directory",
             )
         if self.weight_digests and self.metrics_path is None:
             raise ConfigError(

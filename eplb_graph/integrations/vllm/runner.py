@@ -31,7 +31,6 @@ from eplb_graph.integrations.vllm.metrics import (
     model_is_compiled,
     placement_digest,
 )
-from eplb_graph.integrations.vllm.payback import PaybackLedger
 from eplb_graph.integrations.vllm.settings import VllmEplbSettings
 from eplb_graph.integrations.vllm.slot_digests import DigestLog
 from eplb_graph.runtime import EplbRuntime
@@ -95,9 +94,6 @@ class VllmEplbAdapter:
         self._decode_steps = 0
         self._decode_recent: deque[float] = deque(maxlen=RECENT_DECODE_STEPS)
         self._has_prefill = False
-        self._expert_by_version: dict[int, deque[float]] = {}
-        self._payback = PaybackLedger()
-        self._finished_seen = 0  # rearrangements finished at the last timed step
         self._digest = (-1, "")  # (placement version, digest), computed on this thread
         # (started, finished, layers committed, bytes received, aborted) at the last log line
         self._seen: tuple[int, ...] = (0, 0, 0, 0, 0)
@@ -162,16 +158,6 @@ class VllmEplbAdapter:
             if not self._has_prefill:
                 self._decode_steps += 1
                 self._decode_recent.append(ended - self._step_started)
-            finished = self._finished()
-            self._payback.step(
-                ended - self._step_started,
-                expert_seconds,
-                self._step_busy,
-                finished - self._finished_seen,
-            )
-            self._finished_seen = finished
-        else:
-            self._finished_seen = self._finished()
         self._open = False
         self.steps += 1
         self._log_rearrangement()
@@ -207,38 +193,10 @@ class VllmEplbAdapter:
         counters in this very ``end_step`` (one reader per step, not two)."""
         seconds = self.runtime.controller.feedback.last_step_expert_ns / 1e9
         self._expert_seconds.append(seconds)
-        version = self.state.placement_version
-        if version not in self._expert_by_version and len(self._expert_by_version) >= 2:
-            # Keep the initial placement's figures (the baseline) and the newest one's.
-            newest = max(self._expert_by_version)
-            self._expert_by_version = {
-                v: t for v, t in self._expert_by_version.items() if v in (0, newest)
-            }
-        self._expert_by_version.setdefault(version, deque(maxlen=STEP_TIMES_KEPT)).append(seconds)
         return seconds
 
     def _expert_figures(self) -> dict[str, Any]:
-        """``expert_ms`` (recent steps) and ``payback`` for the metrics file.
-
-        payback: ``saved_ms`` = (median expert ms per step under the initial placement - under
-        the current one) x steps timed under the current one; ``cost_ms`` = the serving time
-        the steps that ran while a rearrangement was in flight took beyond the idle median;
-        ``net_ms`` = saved - cost. ``null`` until both sides have samples.
-        """
-        initial = self._expert_by_version.get(0)
-        version = self.state.placement_version
-        current = self._expert_by_version.get(version)
-        idle, busy = self._step_seconds["idle"], self._step_seconds["rearranging"]
-        payback: dict[str, Any] = {"saved_ms": None, "cost_ms": None, "net_ms": None}
-        if idle:
-            idle_median = sorted(idle)[len(idle) // 2]
-            payback["cost_ms"] = 1e3 * sum(max(0.0, t - idle_median) for t in busy)
-        if initial and current and version != 0:
-            before = sorted(initial)[len(initial) // 2]
-            after = sorted(current)[len(current) // 2]
-            payback["saved_ms"] = 1e3 * (before - after) * len(current)
-        if payback["saved_ms"] is not None and payback["cost_ms"] is not None:
-            payback["net_ms"] = payback["saved_ms"] - payback["cost_ms"]
+        """``expert_ms`` (recent steps) and the running totals a caller diffs between reads."""
         return {
             "expert_ms": _summary(list(self._expert_seconds)),
             "expert_ms_total": 1e3 * self._expert_total_s,
@@ -246,8 +204,6 @@ class VllmEplbAdapter:
             "decode_steps": self._decode_steps,
             "decode_step_ms_recent": [round(1e3 * s, 3) for s in self._decode_recent],
             "expert_rows": int(self.state.expert_stats[:, 0].sum()),
-            "payback": payback,
-            "paybacks": self._payback.figures(),
         }
 
     def _log_rearrangement(self) -> None:
@@ -294,7 +250,8 @@ class VllmEplbAdapter:
     def snapshot(self) -> dict[str, Any]:
         """This rank's figures (what the metrics file holds)."""
         metrics = self.runtime.metrics()
-        movement, control = metrics["movement"], metrics["control"]
+        movement, control, decision = metrics["movement"], metrics["control"], metrics["decision"]
+        gate = None if self._gate is None else self._gate.published
         return {
             "rank": self.ep_rank,
             "ep_size": self.ep_size,
@@ -313,6 +270,9 @@ class VllmEplbAdapter:
             "hotness": movement["last_hotness"],
             "placement_version": control["placement_version"],
             "placement_digest": self._digest[1],
+            "last_decision": decision["last"],
+            "planning_failures": decision["failures"],
+            "moves": [] if gate is None else gate["moves"],
             "last_error": movement["last_error"],
             "balancedness_windows": movement["window_balancedness"],
             "compile": compile_figures(self._model_compiled, self._graphs_at_first_step),
@@ -322,7 +282,7 @@ class VllmEplbAdapter:
             },
             **self._expert_figures(),
             "rearrange": self.settings.control.rearrange,
-            "cost_model": None if self._gate is None else self._gate.published,
+            "cost_model": gate,
             "cost_samples": control["cost_samples"],
             "policy_ms_total": 1e3 * movement["policy_seconds"],
             "closed": self.closed,

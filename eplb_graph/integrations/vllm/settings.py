@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from eplb_graph.control.phases import CollectionPhase
 from eplb_graph.control.planning import PolicyPlanner
 from eplb_graph.control.settings import ControlSettings
+from eplb_graph.control.window_record import WINDOWS_FILE
 from eplb_graph.integrations.settings import (
     ConfigError,
     EplbPath,
@@ -107,6 +109,9 @@ def eplb_settings(
     control = control_settings_from_v2(resolved.v2, num_groups=num_expert_groups)
     control = _with_options(control, options, additional)
     control = dataclasses.replace(control, rearrange=_rearrange(options, timed_experts))
+    if options.record_windows:
+        windows = str(Path(options.metrics_path) / WINDOWS_FILE)
+        control = dataclasses.replace(control, windows_path=windows)
     model_config = vllm_config.model_config
     if num_layers is None:
         num_layers = moe_layer_count(model_config)

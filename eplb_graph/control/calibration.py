@@ -1,0 +1,107 @@
+"""What each placement measured, by the load it served: how the gate compares placements on
+the load served now.
+
+A window measures the committed placement only (each rank's expert-op time per layer). To say
+what another placement would take under the same load, the gate predicts it with the expert
+cost model, scaled by how that placement measured against the model under a load like this one
+(:data:`SIMILAR_LOAD`) or, for a placement never measured under such a load, by how the
+committed one does. So a measurement is reused only where it applies: a placement measured slow
+under one traffic is not presumed slow under another.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = ["SIMILAR_LOAD", "Calibrations", "load_distance", "load_shares"]
+
+SIMILAR_LOAD = 0.15
+"""A placement's calibration holds for loads whose expert shares are within this total-variation
+distance (averaged over layers) of the load it was measured under: a placement measured slow
+under one traffic says nothing about another."""
+CALIBRATION_WEIGHT = 0.5
+"""Each measured window moves a placement's measured time halfway to the new measurement."""
+CALIBRATIONS = 16
+"""Calibrations kept (the newest)."""
+
+
+@dataclass
+class _Calibration:
+    """What one placement measured (expert µs per step) under a load (rows per step)."""
+
+    placement: torch.Tensor
+    load: torch.Tensor
+    shares: torch.Tensor
+    measured_us: float
+    windows: int = 1
+
+
+class Calibrations:
+    """What each placement measured, by the load it served.
+
+    Kept as measured times, not as ratios to a prediction: the model is refitted every window,
+    and a ratio to an old fit would carry that fit's errors. A placement's ratio is recomputed
+    against the current model each time it is read (:meth:`ratio`), so the model only carries a
+    measurement across the small difference between the load it was made under and this one.
+    """
+
+    def __init__(self, step_us: Callable[[torch.Tensor, torch.Tensor], float]) -> None:
+        self.step_us = step_us
+        self.entries: deque[_Calibration] = deque(maxlen=CALIBRATIONS)
+
+    def find(self, placement: torch.Tensor, shares: torch.Tensor | None) -> _Calibration | None:
+        """The calibration of ``placement`` nearest to ``shares``, if within SIMILAR_LOAD."""
+        best, best_distance = None, SIMILAR_LOAD
+        if shares is None:
+            return None
+        for entry in self.entries:
+            if torch.equal(entry.placement, placement):
+                distance = load_distance(entry.shares, shares)
+                if distance <= best_distance:
+                    best, best_distance = entry, distance
+        return best
+
+    def ratio(self, entry: _Calibration) -> float | None:
+        """Measured over what the current model predicts for the same placement and load."""
+        predicted = self.step_us(entry.placement, entry.load)
+        return entry.measured_us / predicted if predicted > 0 else None
+
+    def update(
+        self, placement: torch.Tensor, load: torch.Tensor, shares: torch.Tensor, measured: float
+    ) -> None:
+        entry = self.find(placement, shares)
+        if entry is None:
+            self.entries.append(_Calibration(placement.clone(), load, shares, measured))
+            return
+        # The old measurement carried to this load by the model, then moved toward the new one.
+        before = self.step_us(placement, entry.load)
+        carried = entry.measured_us * self.step_us(placement, load) / before if before else 0.0
+        entry.measured_us = carried + CALIBRATION_WEIGHT * (measured - carried)
+        entry.load, entry.shares = load, shares  # it follows a load that drifts slowly
+        entry.windows += 1
+        # The newest last (by identity: a calibration holds tensors, so no == between them).
+        self.entries = deque(
+            [e for e in self.entries if e is not entry] + [entry], maxlen=CALIBRATIONS
+        )
+
+    def latest(self) -> float | None:
+        return self.ratio(self.entries[-1]) if self.entries else None
+
+
+def load_shares(per_step: torch.Tensor) -> torch.Tensor:
+    """Each layer's expert shares of its rows (``[L, N]``, rows summing to 1 where any)."""
+    totals = per_step.sum(dim=1, keepdim=True)
+    return torch.where(totals > 0, per_step / totals.clamp(min=1e-300), torch.zeros_like(per_step))
+
+
+def load_distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Total-variation distance of two loads' shares, averaged over layers."""
+    if a.shape != b.shape:
+        return math.inf
+    return float(np.mean(0.5 * (a - b).abs().sum(dim=1).numpy()))
