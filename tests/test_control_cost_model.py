@@ -31,18 +31,9 @@ from eplb_graph.placement import Placement
 from eplb_graph.policy import rebalance
 from eplb_graph.policy.predicted_time import pack_by_predicted_time
 from eplb_graph.policy.preserve import preserve_slots, relabel_ranks, transfers_needed
+from tests.gate_inputs import RANKS, READS, ROWS, kernel_calls
 
-RANKS = 2
-READS = ExpertCostModel(fixed_us=50.0, row_us=2.0, read_us=200.0, samples=100, fit_error=0.0)
-ROWS = ExpertCostModel(fixed_us=50.0, row_us=20.0, read_us=1.0, samples=100, fit_error=0.0)
-
-
-def _calls(model: ExpertCostModel, count: int, seed: int = 0):
-    generator = np.random.default_rng(seed)
-    active = generator.integers(1, 33, count)
-    rows = active * generator.integers(1, 40, count)
-    micros = np.round(model.fixed_us + model.row_us * rows + model.read_us * active)
-    return rows, active, micros
+_calls = kernel_calls
 
 
 def test_fit_recovers_the_coefficients_of_a_known_kernel():

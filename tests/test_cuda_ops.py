@@ -43,21 +43,20 @@ def _ids(tokens: int, top_k: int, dtype: torch.dtype, seed: int) -> torch.Tensor
     return torch.randint(-2, NUM_EXPERTS + 2, (tokens, top_k), generator=generator).to(dtype)
 
 
+def _route(state: eplb_graph.EplbState, ids: torch.Tensor) -> torch.Tensor:
+    """``map_and_record`` of ``ids`` through layer 0 of ``state`` (its live tables)."""
+    layer = state.layer(0)
+    return ops.map_and_record(ids, layer.log2phy, layer.replica_count, state.offset, layer.load,
+                              state.num_valid_tokens, state.record_enabled)  # fmt: skip
+
+
 def _routed(device: str, dtype: torch.dtype, tokens: int, valid: int, offset: int, seed: int):
     state = _state(device, dtype, seed)
     state.set_step_inputs_(valid, True)
     state.offset.fill_(offset)
     ids = _ids(tokens, 4, dtype, seed).to(device)
     layer = state.layer(0)
-    physical = ops.map_and_record(
-        ids,
-        layer.log2phy,
-        layer.replica_count,
-        state.offset,
-        layer.load,
-        state.num_valid_tokens,
-        state.record_enabled,
-    )
+    physical = _route(state, ids)
     return physical.cpu(), layer.load.cpu()
 
 
@@ -88,15 +87,7 @@ def test_map_to_physical_and_record_load_on_cuda_equal_the_fused_op():
     ops.record_load(layer.load, physical, state.num_valid_tokens, state.record_enabled)
     split_load = layer.load.clone()
     layer.load.zero_()
-    fused = ops.map_and_record(
-        ids,
-        layer.log2phy,
-        layer.replica_count,
-        state.offset,
-        layer.load,
-        state.num_valid_tokens,
-        state.record_enabled,
-    )
+    fused = _route(state, ids)
     assert torch.equal(fused, physical)
     assert torch.equal(layer.load, split_load)
 
@@ -131,15 +122,7 @@ def test_inductor_on_cuda_routes_and_counts_like_eager():
     layer = state.layer(0)
 
     def route(ids):
-        return ops.map_and_record(
-            ids,
-            layer.log2phy,
-            layer.replica_count,
-            state.offset,
-            layer.load,
-            state.num_valid_tokens,
-            state.record_enabled,
-        )
+        return _route(state, ids)
 
     torch._dynamo.reset()
     compiled = torch.compile(route, backend="inductor", fullgraph=True)

@@ -541,6 +541,23 @@ def test_rearrange_defaults_to_when_it_pays_where_the_experts_are_timed(engine_a
 
 
 @pytest.mark.vllm
+def test_record_windows_needs_a_metrics_path_and_names_the_file(engine_args, tmp_path):
+    from eplb_graph.integrations.vllm.settings import eplb_settings
+
+    with pytest.raises(ConfigError, match="needs metrics_path") as info:
+        PluginOptions.from_section({"record_windows": True})
+    assert info.value.field == f"{PREFIX}.record_windows"
+    section = {"record_windows": True, "metrics_path": str(tmp_path / "metrics")}
+    config = engine_args(additional_config={"eplb_graph": section}).create_engine_config()
+    control = eplb_settings(config, num_layers=2).control
+    assert control.windows_path == str(tmp_path / "metrics" / "windows.jsonl")
+    assert (
+        eplb_settings(engine_args().create_engine_config(), num_layers=2).control.windows_path
+        is None
+    )
+
+
+@pytest.mark.vllm
 @pytest.mark.parametrize("spelling", list(_PHASE_SPELLINGS))
 def test_each_load_collection_phase_spelling_filters_the_load(engine_args, spelling):
     from eplb_graph.control import EplbController

@@ -22,19 +22,13 @@ from tests.test_control_gate import CHAT, CODE, MIXED, domain
 DEFAULT = Placement.default(2, 32, 8, RANKS).phy2log
 
 
+def _planner(path) -> PolicyPlanner:
+    return PolicyPlanner("default", 40, 1, 1, RANKS, rearrange="when_it_pays", max_replicas=9,
+                         step_interval=100, copy_bytes=3 << 20, windows_path=str(path))  # fmt: skip
+
+
 def _record(path) -> list:
-    planner = PolicyPlanner(
-        "default",
-        40,
-        1,
-        1,
-        RANKS,
-        rearrange="when_it_pays",
-        max_replicas=9,
-        step_interval=100,
-        copy_bytes=3 << 20,
-        windows_path=str(path),
-    )
+    planner = _planner(path)
     serving, committed, decisions = Serving(ROWS), DEFAULT, []
     loads = [CODE, CODE, CHAT, CHAT, MIXED, MIXED, domain(range(32)), CODE]
     for index, load in enumerate(loads):
@@ -94,17 +88,7 @@ def test_simulate_windows_prints_every_decision_and_refuses_a_file_that_is_no_re
 
 
 def test_recording_a_window_that_cannot_be_written_keeps_planning(tmp_path):
-    planner = PolicyPlanner(
-        "default",
-        40,
-        1,
-        1,
-        RANKS,
-        rearrange="when_it_pays",
-        max_replicas=9,
-        step_interval=100,
-        windows_path=str(tmp_path / "no" / "such" / "f"),
-    )
+    planner = _planner(tmp_path / "no" / "such" / "file")
     serving = Serving(ROWS)
     assert planner(serving.window(DEFAULT, CODE)) is not None  # planned despite the disk
     assert planner.last_decision["action"] == "failed"

@@ -313,8 +313,9 @@ class PaybackGate:
         bound: float | None,
     ) -> torch.Tensor | None:
         committed = evidence.committed
+        start = self._step_us(self._initial, evidence.planned) * self._ratio(self._initial)
         figures = {
-            name: {"signal_share": evidence.signal_share,
+            name: {"signal_share": evidence.signal_share, "predicted_step_ms_initial": start / 1e3,
                    **self._figures(evidence, plan, now)}
             for name, plan in candidates.items()
         }  # fmt: skip

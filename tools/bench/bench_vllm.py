@@ -365,7 +365,7 @@ DRIFT_SHAPE = {
 
 def drift(root: Path, args) -> dict:
     """EPLB on against off while the hot experts move (tools/bench/vllm_drift.py), repeated."""
-    from vllm_drift import CHAT_EXPERTS, CODE_EXPERTS, PHASES, summarize, verdict
+    from vllm_drift import CHAT_EXPERTS, CODE_EXPERTS, PHASES, PROMPT_TOKENS, summarize, verdict
 
     from eplb_graph.models.tiny_qwen3_moe import write_tiny_qwen3_moe
 
@@ -405,7 +405,10 @@ def drift(root: Path, args) -> dict:
                 },
                 eager=args.quick,
             )
-            llm.update(dtype="bfloat16", max_num_seqs=batch, max_num_batched_tokens=max(512, batch))
+            # Every prompt prefilled in one step: vLLM's CPU sampler cannot rewind the generator
+            # of a seeded request whose prefill was chunked.
+            prefill = batch * (PROMPT_TOKENS + 1)
+            llm.update(dtype="bfloat16", max_num_seqs=batch, max_num_batched_tokens=prefill)
             return llm
 
         spec = {
@@ -528,6 +531,23 @@ def _benefit_verdict(report: dict) -> dict:
     }
 
 
+def _curve_report(kind: str, title: str, measure, args) -> None:
+    """Run ``--drift`` or ``--benefit`` in a scratch folder; print the verdict, plot, write."""
+    import importlib
+
+    with tempfile.TemporaryDirectory(prefix=f"bench-vllm-{kind}-") as folder:
+        print(f"{kind}: {title}:")
+        report = {"quick": args.quick, "loadavg_start": os.getloadavg()}
+        report[kind] = measure(Path(folder), args)
+        report["loadavg_end"] = os.getloadavg()
+        print(f"  verdict: {json.dumps(report[kind]['verdict'])}")
+        if args.plot is not None:
+            plot = importlib.import_module(f"vllm_{kind}").plot
+            if plot(report[kind], args.plot):
+                print(f"  plot: {args.plot}")
+        write_report(args.json, report)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="eager engines, fewer steps")
@@ -581,32 +601,10 @@ def main() -> None:
     from eplb_graph.models.tiny_qwen3_moe import write_tiny_qwen3_moe
 
     if args.drift:
-        with tempfile.TemporaryDirectory(prefix="bench-vllm-drift-") as folder:
-            print("drift: EPLB on against off while the hot experts move:")
-            report = {"quick": args.quick, "loadavg_start": os.getloadavg()}
-            report["drift"] = drift(Path(folder), args)
-            report["loadavg_end"] = os.getloadavg()
-            print(f"  verdict: {json.dumps(report['drift']['verdict'])}")
-            if args.plot is not None:
-                from vllm_drift import plot
-
-                if plot(report["drift"], args.plot):
-                    print(f"  plot: {args.plot}")
-            write_report(args.json, report)
+        _curve_report("drift", "EPLB on against off while the hot experts move", drift, args)
         return
     if args.benefit:
-        with tempfile.TemporaryDirectory(prefix="bench-vllm-benefit-") as folder:
-            print("benefit: EPLB on against off, experts-dominated model:")
-            report = {"quick": args.quick, "loadavg_start": os.getloadavg()}
-            report["benefit"] = benefit(Path(folder), args)
-            report["loadavg_end"] = os.getloadavg()
-            print(f"  verdict: {json.dumps(report['benefit']['verdict'])}")
-            if args.plot is not None:
-                from vllm_benefit import plot
-
-                if plot(report["benefit"], args.plot):
-                    print(f"  plot: {args.plot}")
-            write_report(args.json, report)
+        _curve_report("benefit", "EPLB on against off, experts-dominated model", benefit, args)
         return
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as folder:
         root = Path(folder)

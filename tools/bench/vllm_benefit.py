@@ -255,14 +255,22 @@ def paired_interval(pairs: list[float]) -> dict:
     return {"geomean": math.exp(mean), "low": math.exp(mean - half), "high": math.exp(mean + half)}
 
 
-def plot(report: dict, path: Path) -> bool:
-    """Decode throughput on / off against the batch size, one line per shape and router."""
+def pyplot():
+    """matplotlib's pyplot on the file-only backend, or ``None`` where it is not installed."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def plot(report: dict, path: Path) -> bool:
+    """Decode throughput on / off against the batch size, one line per shape and router."""
+    plt = pyplot()
+    if plt is None:
         return False
     figure, axis = plt.subplots(figsize=(7, 4))
     for key, curve in report["curves"].items():
