@@ -424,6 +424,9 @@ def drift(root: Path, args) -> dict:
             "seed": repeat,
         }
         result = run_engine(root, f"drift-{repeat}", spec)
+        if args.json is not None:  # the raw rounds, kept whatever the summary makes of them
+            raw = args.json.with_name(f"{args.json.stem}.run{repeat}.raw.json")
+            raw.write_text(json.dumps(result))
         run = summarize(result, batch, tokens)
         windows = Path(metrics["on"]) / "windows.jsonl"
         run["windows_file"] = str(windows)

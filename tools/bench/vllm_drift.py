@@ -99,7 +99,7 @@ def drift_main(spec: dict, out_path: str) -> None:
         for _ in range(spec["warmup_calls"]):
             engine.generate(warmup, sampling("warmup", 0), use_tqdm=False)
     time.sleep(2.2)
-    started = _rank_file(on_folder)
+    after_warmup = _rank_file(on_folder)
     rounds = []
     for phase in spec["phases"]:
         for index in range(spec["rounds"]):
@@ -113,7 +113,7 @@ def drift_main(spec: dict, out_path: str) -> None:
             time.sleep(2.2)  # the rank files are rewritten at least every 2 s of serving
             rounds.append({"phase": phase, "round": index, "seconds": seconds,
                            "on": _rank_file(on_folder)})  # fmt: skip
-    Path(out_path).write_text(json.dumps({"rounds": rounds, "started": started}))
+    Path(out_path).write_text(json.dumps({"rounds": rounds, "after_warmup": after_warmup}))
 
 
 def summarize(result: dict, batch: int, tokens: int) -> dict:
@@ -125,7 +125,7 @@ def summarize(result: dict, batch: int, tokens: int) -> dict:
         for decision in (entry["on"].get("cost_model") or {}).get("decisions") or []:
             decisions[decision["step"]] = decision
     steps_at = [entry["on"].get("steps", 0) for entry in rounds]
-    warmup_steps = (result.get("started") or {}).get("steps", 0)
+    warmup_steps = (result.get("after_warmup") or {}).get("steps", 0)
     phases = {}
     for phase in dict.fromkeys(entry["phase"] for entry in rounds):
         index = [i for i, entry in enumerate(rounds) if entry["phase"] == phase]
