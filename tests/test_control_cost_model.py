@@ -23,7 +23,12 @@ from eplb_graph.control.cost_model import (
     predict_rank_us,
     predicted_step_us,
 )
-from eplb_graph.control.feedback import ServingFeedback, WindowFeedback, feedback_size
+from eplb_graph.control.feedback import (
+    WARMUP_STEPS,
+    ServingFeedback,
+    WindowFeedback,
+    feedback_size,
+)
 from eplb_graph.control.payback import MAX_UNPRICED, PaybackGate
 from eplb_graph.control.planning import PolicyPlanner
 from eplb_graph.control.window import WindowLoad
@@ -371,6 +376,21 @@ def test_every_window_sets_the_predicted_busiest_rank_against_the_measured_one()
     assert check["measured_busiest_ms"] == pytest.approx(busiest.max() * 1.1 / 1e3, rel=1e-3)
     assert check["error"] == pytest.approx(1 / 1.1 - 1, rel=1e-2)
     assert gate.published["measured_rank_ms"][1] == pytest.approx(busiest[1] / 1e3, rel=1e-3)
+
+
+def test_a_window_holding_a_ranks_first_steps_is_not_measured():
+    stats = torch.zeros(1, 3, dtype=torch.int64)
+    feedback = ServingFeedback(stats, rank=0, num_ranks=1)
+
+    def window(steps: int) -> WindowFeedback:
+        for _ in range(steps):
+            stats.add_(torch.tensor([[4, 50_000, 2]]))
+            feedback.step(step_us=100, tokens=1, decode=True, in_flight=False, version=0,
+                          in_window=True)  # fmt: skip
+        return WindowFeedback.parse(feedback.take(recorded_steps=steps))
+
+    assert window(WARMUP_STEPS).measured_rank_us() is None  # first steps: one-off costs
+    assert window(4).measured_rank_us() == [50.0]
 
 
 def test_a_window_under_two_placements_is_not_checked():

@@ -17,12 +17,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from eplb_graph.control.calibration import SIMILAR_LOAD, load_distance, load_shares
+from eplb_graph.control.calibration import MAX_AGE, SIMILAR_LOAD, load_distance, load_shares
 from eplb_graph.control.cost_model import predicted_step_us
 from eplb_graph.control.decision_log import QUIET_S, DecisionLog
 from eplb_graph.control.feedback import WindowFeedback, feedback_size
 from eplb_graph.control.moves import FLOOR_BYTES_PER_US, MIN_REALIZED
-from eplb_graph.control.payback import BACK_TOLERANCE, PaybackGate
+from eplb_graph.control.payback import BACK_TOLERANCE, PaybackGate, _Back
 from eplb_graph.control.planning import PolicyPlanner
 from eplb_graph.control.window import WindowLoad
 from eplb_graph.placement import Placement
@@ -145,6 +145,9 @@ def test_a_placement_measured_slow_under_one_load_is_not_presumed_slow_under_ano
     other[:, 0:8] += 18.0  # experts 0-7 warm too: shares 0.26 away from the code load's
     assert load_distance(load_shares(CODE), load_shares(other)) > SIMILAR_LOAD
     assert calibrations.find(plan, load_shares(other)) is None
+    # And a measurement grows stale: MAX_AGE windows on, the model predicts the plan again.
+    calibrations.window += MAX_AGE + 1
+    assert calibrations.find(plan, load_shares(CODE)) is None
 
 
 def test_a_traffic_change_is_not_read_as_a_bad_move():
@@ -188,6 +191,43 @@ def test_slower_than_the_start_under_a_new_load_goes_back_even_when_going_back_d
     committed, back = _serve(gate, serving, committed, MIXED)
     assert back["action"] == "rollback" and back["net_ms"] < 0
     assert predicted_step_us(committed, MIXED, RANKS, fitted) <= start * (1 + 1e-9)
+
+
+def test_going_back_it_takes_the_placement_it_came_from_unless_another_is_clearly_faster():
+    gate, serving = _gate(), Serving(ROWS)
+    committed, _ = _serve(gate, serving, DEFAULT, CODE)
+    gate.step_interval = 1
+    back_plan, back = _serve(gate, serving, committed, MIXED)
+    # The default layout served (and was measured): going back to it is going back to what
+    # EPLB off serves; a new plan would only be predicted, and is taken only if clearly faster.
+    start = back["predicted_step_ms_initial"]
+    assert back["candidate"] == "initial" or back["predicted_step_ms_plan"] <= 0.95 * start
+    assert back["candidate"] == "initial" and torch.equal(back_plan, DEFAULT)
+    # The rule itself: a new plan within the tolerance of that placement is not taken.
+    evidence = gate._evidence(serving.window(committed, MIXED))
+    to_start = _Back("initial", DEFAULT, bound_us=1000.0)
+    other = committed.flip(1)
+
+    def refusal(name, plan, predicted_ms):
+        figures = {"saving_ms_per_step": 1.0, "predicted_step_ms_plan": predicted_ms}
+        return gate._refusal(evidence, name, plan, figures, 2000.0, to_start)
+
+    assert refusal("initial", DEFAULT, 1.0) is None
+    assert refusal("fewest_moves", other, 0.97) == "not clearly faster than where it came from"
+    assert refusal("fewest_moves", other, 0.94) is None
+
+
+def test_a_plan_predicted_to_save_less_than_the_models_error_is_not_applied():
+    gate, serving = _gate(step_interval=10**9), Serving(ROWS)  # copies are free over this
+    slight = domain(range(8, 16), scale=4.0)
+    slight[:, 8:16] = 2.0 * 1.06  # hot experts 6% above the rest: about 1% to save
+    assert gate.decide(serving.window(DEFAULT, slight), None) is None
+    assert gate.decisions[-1]["reason"] == "predicted saving too small to tell from noise"
+    assert (
+        0
+        < gate.decisions[-1]["saving_ms_per_step"]
+        < 0.02 * gate.decisions[-1]["predicted_step_ms_now"]
+    )
 
 
 def test_within_the_tolerance_of_the_start_it_stays():

@@ -27,6 +27,9 @@ distance (averaged over layers) of the load it was measured under: a placement m
 under one traffic says nothing about another."""
 CALIBRATION_WEIGHT = 0.5
 """Each measured window moves a placement's measured time halfway to the new measurement."""
+MAX_AGE = 32
+"""Windows after which a calibration no longer holds: the engine, and what else runs beside it,
+change; a placement measured long ago is predicted by the model again."""
 CALIBRATIONS = 16
 """Calibrations kept (the newest)."""
 
@@ -40,6 +43,8 @@ class _Calibration:
     shares: torch.Tensor
     measured_us: float
     windows: int = 1
+    updated: int = 0
+    """The window it was last measured in (:attr:`Calibrations.window`)."""
 
 
 class Calibrations:
@@ -54,6 +59,8 @@ class Calibrations:
     def __init__(self, step_us: Callable[[torch.Tensor, torch.Tensor], float]) -> None:
         self.step_us = step_us
         self.entries: deque[_Calibration] = deque(maxlen=CALIBRATIONS)
+        self.window = 0
+        """The current window's number (the gate advances it)."""
 
     def find(self, placement: torch.Tensor, shares: torch.Tensor | None) -> _Calibration | None:
         """The calibration of ``placement`` nearest to ``shares``, if within SIMILAR_LOAD."""
@@ -61,6 +68,8 @@ class Calibrations:
         if shares is None:
             return None
         for entry in self.entries:
+            if self.window - entry.updated > MAX_AGE:
+                continue
             if torch.equal(entry.placement, placement):
                 distance = load_distance(entry.shares, shares)
                 if distance <= best_distance:
@@ -77,7 +86,8 @@ class Calibrations:
     ) -> None:
         entry = self.find(placement, shares)
         if entry is None:
-            self.entries.append(_Calibration(placement.clone(), load, shares, measured))
+            entry = _Calibration(placement.clone(), load, shares, measured, updated=self.window)
+            self.entries.append(entry)
             return
         # The old measurement carried to this load by the model, then moved toward the new one.
         before = self.step_us(placement, entry.load)
@@ -85,13 +95,15 @@ class Calibrations:
         entry.measured_us = carried + CALIBRATION_WEIGHT * (measured - carried)
         entry.load, entry.shares = load, shares  # it follows a load that drifts slowly
         entry.windows += 1
+        entry.updated = self.window
         # The newest last (by identity: a calibration holds tensors, so no == between them).
         self.entries = deque(
             [e for e in self.entries if e is not entry] + [entry], maxlen=CALIBRATIONS
         )
 
     def latest(self) -> float | None:
-        return self.ratio(self.entries[-1]) if self.entries else None
+        fresh = [e for e in self.entries if self.window - e.updated <= MAX_AGE]
+        return self.ratio(fresh[-1]) if fresh else None
 
 
 def load_shares(per_step: torch.Tensor) -> torch.Tensor:

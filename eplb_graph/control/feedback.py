@@ -51,6 +51,11 @@ COMPARABLE_TOKENS = 0.2
 """Two batches are comparable when their mean tokens differ by at most this share: a moving
 step is priced against its epoch's mean step, and a plan judged against the one before it, only
 then (a larger batch is slower whatever the placement or the movement)."""
+WARMUP_STEPS = 16
+"""A window holding any of a rank's first steps is not measured: those pay one-off costs
+(lazily compiled kernels, first allocations), and a placement measured there would be
+remembered as far slower than it is (the starting placement was, 1.9x, on the drift
+benchmark)."""
 OUTLIER_FACTOR = 3.0
 """A call slower than this many times the fitted model's prediction is not a cost sample."""
 OUTLIER_MIN_US = 1000
@@ -223,6 +228,7 @@ class ServingFeedback:
         self._rank = rank
         self._num_ranks = num_ranks
         self._window_steps = 0
+        self._steps_seen = 0
         self._window_us = [0] * expert_stats.shape[0]
         self._window_version: int | None = None
         self._window_mixed = False
@@ -263,6 +269,9 @@ class ServingFeedback:
         next (its expert time is then set against the prediction)."""
         usable = decode and not in_flight
         layer_us = self._take_cost_samples(usable)
+        self._steps_seen += 1
+        if self._steps_seen <= WARMUP_STEPS:
+            self._window_mixed = True  # not a measurement of the placement (see WARMUP_STEPS)
         if in_window:
             self._window_steps += 1
             for layer, micros in enumerate(layer_us):

@@ -20,17 +20,18 @@ is a sum from the window reduction), :meth:`PaybackGate.decide` reads top-down:
 3. **never slower than where it came from.** The committed placement is set against the
    engine's starting placement (what EPLB off serves) and, after a move, the placement before
    it (where that one was measured under a load like this one). When it is slower than either
-   by more than :data:`BACK_TOLERANCE` under the served load, the gate must go back: only
-   candidates no slower than that placement may be applied, the best of them even if it does
+   by more than :data:`BACK_TOLERANCE` under the served load, the gate must go back: to that
+   placement, or to a candidate predicted faster than it by as much, even if going back does
    not repay its copies within one interval. A placement measured slower stays predicted
    slower while the load is like the one it was measured under; under another load it may be
    right again.
 4. **what could be better.** The candidates: the configured policy's plan, the placement
    packed by predicted time (:func:`~eplb_graph.policy.predicted_time.pack_by_predicted_time`),
    the few priced moves from the committed placement that repay the most
-   (:func:`~eplb_graph.policy.incremental.improve_by_moves`), the starting placement and the
-   one before the last move. Each is predicted under the planned load.
-5. **whether it pays.** A candidate may be applied only if its predicted saving over the next
+   (:func:`~eplb_graph.policy.incremental.improve_by_moves`) and the starting placement. Each
+   is predicted under the planned load.
+5. **whether it pays.** A candidate may be applied only if it is predicted to cut the step by
+   at least :data:`MIN_SAVING`, and its predicted saving over the next
    interval, discounted by the share of their predicted savings that past moves realized
    (:meth:`~eplb_graph.control.moves.MoveLedger.realized`), exceeds the copies it moves times
    the price of a copy; of those, the largest net gain wins (the fastest placement is not the
@@ -72,7 +73,13 @@ __all__ = ["PaybackGate"]
 BACK_TOLERANCE = 0.05
 """The committed placement must go back when it is more than 5% slower, under the served load,
 than the starting placement or the one before the last move: below that, two measurements of
-one placement on a shared host differ by as much."""
+one placement on a shared host differ by as much. Going back, it moves to that placement itself
+unless another is predicted faster than it by as much (a placement that served is known; a new
+one is a prediction)."""
+MIN_SAVING = 0.02
+"""A plan must be predicted to cut the step's expert time by at least 2%: below that the
+prediction is within the model's error between two placements, and on the drift benchmark such
+moves measured as often slower as faster (each still costs its copies)."""
 KEPT = 16
 REPRICE_GROWTH = 1.25
 """A window whose saving bound is more than this many times the bound of the last window whose
@@ -83,6 +90,16 @@ MAX_UNPRICED = 7
 
 PolicyPlan = torch.Tensor | Callable[[], torch.Tensor | None] | None
 """The configured policy's candidate: a plan, a callable making it on demand, or none."""
+
+
+@dataclass(frozen=True)
+class _Back:
+    """Where the gate must go back to: that placement's name, itself, and its predicted time
+    under the planned load (µs per step, calibrated)."""
+
+    name: str
+    placement: torch.Tensor
+    bound_us: float
 
 
 @dataclass
@@ -171,7 +188,8 @@ class PaybackGate:
         model = evidence.model
         self._copy_us, self.copy_source = self.ledger.copy_us(max(model.read_us, model.row_us))
         evidence.copy_us = self._copy_us
-        bound = self._must_go_back(evidence)
+        back = self._must_go_back(evidence)
+        bound = None if back is None else back.bound_us
         ratio = self._ratio(committed)
         now = self._step_us(committed, evidence.planned) * ratio
         realized = self.ledger.realized()
@@ -196,7 +214,7 @@ class PaybackGate:
                 )
         if callable(policy_plan):
             policy_plan = policy_plan()
-        return self._choose(evidence, self._candidates(evidence, policy_plan), now, bound)
+        return self._choose(evidence, self._candidates(evidence, policy_plan, back), now, back)
 
     # -- 1. evidence -----------------------------------------------------------------------------
     def _evidence(self, load: WindowLoad) -> Evidence | str:
@@ -204,6 +222,7 @@ class PaybackGate:
         tells nothing to decide on; checks the model's prediction against the measurement."""
         if self._initial is None:
             self._initial = load.committed.clone()
+        self._calibrations.window += 1
         self.model, evidence = read_window(load, self.model, self.num_ranks)
         if isinstance(evidence, str):
             return evidence
@@ -251,13 +270,12 @@ class PaybackGate:
         return 1.0 if latest is None else latest
 
     # -- 3. never slower than where it came from ---------------------------------------------
-    def _must_go_back(self, evidence: Evidence) -> float | None:
-        """The time (µs per step, planned load) no candidate may exceed when the committed
-        placement is slower than the starting one or the one before the last move under the
-        served load; ``None`` when it is not."""
+    def _must_go_back(self, evidence: Evidence) -> _Back | None:
+        """Where to go back to when the committed placement is slower, under the served load,
+        than the starting one or the one before the last move; ``None`` when it is not."""
         committed, served = evidence.committed, evidence.served
         now = self._step_us(committed, served) * self._ratio(committed)
-        references = [self._initial]
+        references = {"initial": self._initial}
         move = self.ledger.newest()
         if (
             move is not None
@@ -266,23 +284,29 @@ class PaybackGate:
         ):
             # The last move is judged where the placement before it was measured under a load
             # like this one; under another load, what it should be is a question of pricing.
-            references.append(move.before)
-        slower_than = [
-            reference
-            for reference in references
+            references["previous"] = move.before
+        slower_than = {
+            name: reference
+            for name, reference in references.items()
             if not torch.equal(reference, committed)
             and now > (1 + BACK_TOLERANCE) * self._step_us(reference, served)
             * self._ratio(reference)
-        ]  # fmt: skip
+        }  # fmt: skip
         if not slower_than:
             return None
-        return min(
-            self._step_us(reference, evidence.planned) * self._ratio(reference)
-            for reference in slower_than
-        )
+        times = {
+            name: self._step_us(reference, evidence.planned) * self._ratio(reference)
+            for name, reference in slower_than.items()
+        }
+        name = min(times, key=lambda n: (times[n], n))
+        return _Back(name, slower_than[name], times[name])
 
     # -- 4. what could be better ---------------------------------------------------------------
-    def _candidates(self, evidence: Evidence, policy_plan) -> dict[str, torch.Tensor]:
+    def _candidates(
+        self, evidence: Evidence, policy_plan, back: _Back | None
+    ) -> dict[str, torch.Tensor]:
+        """The policy's plan, the packing by predicted time, the priced moves and the starting
+        placement; going back, also the placement it goes back to."""
         committed, planned, model = evidence.committed, evidence.planned, evidence.model
         packed = pack_by_predicted_time(
             planned, self.num_slots, self.num_ranks, self.max_replicas, model
@@ -297,9 +321,8 @@ class PaybackGate:
             ),
             "initial": self._initial,
         }  # fmt: skip
-        move = self.ledger.newest()
-        if move is not None and torch.equal(move.plan, committed):
-            candidates["previous"] = move.before
+        if back is not None:
+            candidates[back.name] = back.placement
         if policy_plan is not None:
             candidates["policy"] = policy_plan
         return candidates
@@ -310,7 +333,7 @@ class PaybackGate:
         evidence: Evidence,
         candidates: dict[str, torch.Tensor],
         now: float,
-        bound: float | None,
+        back: _Back | None,
     ) -> torch.Tensor | None:
         committed = evidence.committed
         start = self._step_us(self._initial, evidence.planned) * self._ratio(self._initial)
@@ -320,12 +343,12 @@ class PaybackGate:
             for name, plan in candidates.items()
         }  # fmt: skip
         reasons = {
-            name: self._refusal(evidence, plan, figures[name], now, bound)
+            name: self._refusal(evidence, name, plan, figures[name], now, back)
             for name, plan in candidates.items()
         }
         eligible = [name for name in candidates if reasons[name] is None]
         if not eligible:
-            if bound is not None:
+            if back is not None:
                 return self._keep(
                     evidence.step, "slower than before, and no candidate is faster",
                     **figures["initial"],
@@ -351,7 +374,7 @@ class PaybackGate:
             evidence.step, name, committed.clone(), plan.clone(), chosen["copies"],
             chosen["saving_ms_per_step"] * 1e3,
         )  # fmt: skip
-        if bound is not None:
+        if back is not None:
             self.counts["rollbacks"] += 1
             self._record(evidence.step, "rollback", "slower than before: going back",
                          candidate=name, **chosen)  # fmt: skip
@@ -384,21 +407,24 @@ class PaybackGate:
     def _refusal(
         self,
         evidence: Evidence,
+        name: str,
         plan: torch.Tensor,
         figures: dict,
         now: float,
-        bound: float | None,
+        back: _Back | None,
     ) -> str | None:
         """Why a candidate must not be applied, or ``None`` if it may."""
         saving = figures["saving_ms_per_step"] * 1e3
         if torch.equal(plan, evidence.committed) or saving <= 0:
             return "no placement is predicted faster"
-        if bound is not None:
-            # Going back: any candidate no slower than the placement it must not exceed.
+        if back is not None:
+            # Going back: to the placement it goes back to, or one predicted clearly faster.
             predicted = figures["predicted_step_ms_plan"] * 1e3
-            return None if predicted <= bound * (1 + 1e-9) else "slower than where it came from"
-        if self.min_gain_percent and saving < now * self.min_gain_percent / 100:
-            return "predicted gain below min_gain_percent"
+            if name == back.name or predicted <= back.bound_us * (1 - BACK_TOLERANCE):
+                return None
+            return "not clearly faster than where it came from"
+        if saving < now * max(MIN_SAVING, self.min_gain_percent / 100):
+            return "predicted saving too small to tell from noise"
         if figures["net_ms"] <= 0:
             return "the saving does not repay the move"
         return None
