@@ -34,14 +34,18 @@ from eplb_graph.control.window import (
     process_group_reducer,
 )
 from eplb_graph.movement.agreement import StoreAgreement, default_store
-from eplb_graph.movement.clock import StepClock
-from eplb_graph.movement.delivery import InstallNow, PublishAtAgreedStep
+from eplb_graph.movement.commit import (
+    CommitScheduler,
+    InstallNow,
+    PublishAtAgreedStep,
+    StepClock,
+)
 from eplb_graph.movement.rebalance import FaultHook, Job, PlanJob, RebalancePipeline, WindowJob
-from eplb_graph.movement.scheduler import CommitScheduler
 from eplb_graph.movement.settings import MovementSettings
 from eplb_graph.movement.staging import LayerInstaller, StagingPool, check_staging_budget
 from eplb_graph.movement.worker import MovementWorker
 from eplb_graph.state import EplbState
+from eplb_graph.stats import EplbStats, Progress
 
 logger = logging.getLogger(__name__)
 
@@ -237,65 +241,101 @@ class EplbRuntime:
         self.scheduler.mark_busy()
         self.worker.submit(job)
 
-    def progress(self) -> tuple[int, ...]:
-        """Counters that move only when EPLB does something (a window closes, a rearrangement
-        starts, commits a layer or ends): a cheap test of whether :meth:`metrics` changed."""
+    # -- what it has done ------------------------------------------------------------------------
+    def progress(self) -> Progress:
+        """Counters that move only when EPLB does something: a cheap test, every step, of
+        whether :meth:`stats` changed."""
         pipeline = self.pipeline.stats
-        return (
+        finished = (
+            self.scheduler.stats.rearrangements_finished
+            if self.scheduler is not None
+            else pipeline.rearrangements_started
+        )
+        return Progress(
             self.controller.windows_closed,
             pipeline.rearrangements_started,
-            pipeline.rearrangements_completed,
-            self.scheduler.stats.rearrangements_finished if self.scheduler is not None else 0,
-            pipeline.rearrangements_aborted,
-            pipeline.rearrangements_noop,
+            finished,
+            self._aborted(),
             pipeline.plans_recorded,
             pipeline.record_failures,
             self.installer.stats.layers_committed,
         )
 
-    def metrics(self) -> dict:
-        """Structured snapshot for monitoring (plain values)."""
-        pipeline, installed = self.pipeline.stats, self.installer.stats
-        completed = (
-            pipeline.rearrangements_completed
-            if self.scheduler is None
-            else self.scheduler.stats.rearrangements_completed
+    def stats(self) -> EplbStats:
+        """Everything this rank's EPLB has done, as one immutable value (:mod:`eplb_graph.stats`).
+
+        Async, the rearrangement counts are the main thread's: a rearrangement counts once its
+        end marker is consumed (after its every layer is installed), so the counts agree with
+        the commits this thread has made.
+        """
+        pipeline, controller = self.pipeline.stats, self.controller
+        feedback = controller.feedback
+        gate = getattr(self.planner, "gate", None)
+        scheduler = self.scheduler
+        if scheduler is not None:
+            completed = scheduler.stats.rearrangements_completed
+            finished = scheduler.stats.rearrangements_finished
+        else:
+            completed, finished = pipeline.jobs_delivered, pipeline.rearrangements_started
+        protocol = {}
+        if scheduler is not None:
+            protocol = {
+                "windows_committed": scheduler.stats.windows_committed,
+                "windows_pending": scheduler.jobs_in_flight,
+                "windows_coalesced": self.worker.windows_coalesced,
+                "windows_stood_in": self.worker.windows_stood_in,
+                "job_rounds_failed": self.worker.job_rounds_failed,
+                "commit_margin_steps": self.pipeline.delivery.margin,
+                "fence_waits": self.clock.fence_waits,
+                "vetoes": self.clock.vetoes,
+                "late_items": scheduler.stats.late_items,
+                "fence_timeouts": scheduler.stats.fence_timeouts,
+                "worker_alive": self.worker.alive,
+            }
+        return EplbStats(
+            steps=controller.step,
+            is_async=self.use_async,
+            windows_closed=controller.windows_closed,
+            placement_version=self.state.placement_version,
+            recording=controller.recording_due(),
+            last_logged_balancedness=controller.last_logged_balancedness,
+            cost_samples_taken=feedback.samples_taken,
+            cost_samples_dropped=feedback.samples_dropped,
+            last_decision=getattr(self.planner, "last_decision", None),
+            planning_failures=getattr(self.planner, "failures", 0),
+            planning_seconds=pipeline.policy_seconds,
+            gate=None if gate is None else gate.published,
+            last_window_balancedness=pipeline.last_window_balancedness,
+            window_balancedness=tuple(pipeline.window_balancedness),
+            last_hotness=pipeline.last_hotness,
+            rearrangements_started=pipeline.rearrangements_started,
+            rearrangements_finished=finished,
+            rearrangements_completed=completed,
+            rearrangements_aborted=self._aborted(),
+            rearrangements_noop=pipeline.rearrangements_noop,
+            layers_delivered=pipeline.layers_delivered,
+            layers_committed=self.installer.stats.layers_committed,
+            commit_ms=tuple(1e3 * s for s in self.installer.stats.commit_seconds),
+            bytes_received=pipeline.bytes_received,
+            plans_recorded=pipeline.plans_recorded,
+            record_failures=pipeline.record_failures,
+            last_error=pipeline.last_error,
+            moving=self.moving,
+            **protocol,
         )
-        movement = {
-            "rearrangements_started": pipeline.rearrangements_started,
-            "rearrangements_completed": completed,
-            "rearrangements_aborted": pipeline.rearrangements_aborted,
-            "rearrangements_noop": pipeline.rearrangements_noop,
-            "layers_published": pipeline.layers_delivered,
-            "layers_committed": installed.layers_committed,
-            "bytes_received": pipeline.bytes_received,
-            "policy_seconds": pipeline.policy_seconds,
-            "plans_recorded": pipeline.plans_recorded,
-            "record_failures": pipeline.record_failures,
-            "last_error": pipeline.last_error,
-            "last_hotness": pipeline.last_hotness,
-            "last_window_balancedness": pipeline.last_window_balancedness,
-            "window_balancedness": list(pipeline.window_balancedness),
-            "fence_waits": self.clock.fence_waits,
-            "vetoes": self.clock.vetoes,
-        }
+
+    def _aborted(self) -> int:
         if self.scheduler is not None:
-            movement["windows_committed"] = self.scheduler.stats.windows_committed
-            movement["windows_pending"] = self.scheduler.jobs_in_flight
-            movement["windows_coalesced"] = self.worker.windows_coalesced
-            movement["windows_stood_in"] = self.worker.windows_stood_in
-            movement["job_rounds_failed"] = self.worker.job_rounds_failed
-            movement["commit_margin_steps"] = self.pipeline.delivery.margin
-            movement["late_items"] = self.scheduler.stats.late_items
-            movement["fence_timeouts"] = self.scheduler.stats.fence_timeouts
-            movement["worker_alive"] = self.worker.alive
-        planner = self.planner
-        return {
-            "decision": {
-                "last": getattr(planner, "last_decision", None),
-                "failures": getattr(planner, "failures", 0),
-            },
-            "control": self.controller.snapshot(),
-            "async": self.use_async,
-            "movement": movement,
-        }
+            return self.scheduler.stats.rearrangements_failed
+        return self.pipeline.stats.rearrangements_aborted
+
+    @property
+    def last_step_expert_ns(self) -> int:
+        """This rank's expert-op ns in the last step (all layers; 0 where the op is not timed
+        on the host): read once per step, by the controller."""
+        return self.controller.feedback.last_step_expert_ns
+
+    def calibrate_expert_cost(self, rows, active, micros) -> None:
+        """Give the expert cost model calls timed outside serving (a calibration at attach):
+        ``rows``, ``active`` slots and ``micros`` per call, equal lengths."""
+        self.controller.feedback.calibrate(rows, active, micros)

@@ -110,7 +110,7 @@ def run_rank(rank: int, world_size: int, use_async: bool) -> bool:
             print(f"step {step}: end_step committed {done} layers", flush=True)
         step += 1
     runtime.close()
-    moved = runtime.metrics()["movement"]
+    moved = runtime.stats().as_dict()
     exact = all(  # every local slot now holds the weights of the expert phy2log names
         torch.equal(w13[lay], w13_all[lay].index_select(0, state.phy2log[lay, my_slots]))
         and torch.equal(w2[lay], w2_all[lay].index_select(0, state.phy2log[lay, my_slots]))

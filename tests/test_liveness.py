@@ -5,8 +5,8 @@ Serving here has no per-step collective (unlike a model whose forward all-reduce
 Rearrangements must still make progress: windows that pile up while a job is in flight are
 coalesced into one job on the newest window (every rank consuming the same ones), a rank whose
 share of a window was overwritten stands in its newest rows instead of aborting everyone, and
-no serving step waits for a peer. The counters in ``metrics()`` must agree with each other and
-with their documentation (docs/user-guide.md, "EplbRuntime.metrics()").
+no serving step waits for a peer. The counters of ``stats()`` must agree with each other and
+with their documentation (``eplb_graph/stats.py``).
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def _serve(rank, world_size, steps, window, step_ms, extra_ms_on_rank1):
             time.sleep(jitter.uniform(low, high) / 1000 + extra_s)
             runtime.end_step()
         serving_s = time.perf_counter() - started
-        metrics = runtime.metrics()
+        metrics = runtime.stats().as_dict()
         mismatches = slot_mismatches(views, state.phy2log, rank, world_size, payloads)
     finally:
         runtime.close()
@@ -110,16 +110,16 @@ def _serve(rank, world_size, steps, window, step_ms, extra_ms_on_rank1):
 
 
 def _check_counters(metrics: dict) -> None:
-    """The relations docs/user-guide.md states for ``metrics()``."""
-    movement, control = metrics["movement"], metrics["control"]
+    """The relations ``eplb_graph/stats.py`` states for ``EplbStats``."""
+    movement = control = metrics
     ended = (
         movement["rearrangements_completed"]
         + movement["rearrangements_aborted"]
         + movement["rearrangements_noop"]
     )
-    assert ended <= movement["rearrangements_started"], movement
+    assert ended <= movement["rearrangements_finished"] <= movement["rearrangements_started"]
     assert movement["rearrangements_completed"] <= movement["layers_committed"], movement
-    assert movement["layers_committed"] <= movement["layers_published"], movement
+    assert movement["layers_committed"] <= movement["layers_delivered"], movement
     handed_over = movement["windows_committed"] + movement["windows_pending"]
     assert handed_over <= control["windows_closed"], (movement, control)
     assert movement["rearrangements_started"] <= control["windows_closed"], (movement, control)
@@ -141,7 +141,7 @@ def test_rearrangements_commit_without_ranks_in_step(world_size):
     results = run_ranks(_serve, world_size, steps, window, (1.0, 10.0), 0.0, timeout_s=240)
     for result in results:
         metrics = result["metrics"]
-        movement, closed = metrics["movement"], metrics["control"]["windows_closed"]
+        movement, closed = metrics, metrics["windows_closed"]
         _check_counters(metrics)
         # Windows still queued or in flight when serving stopped have not had their chance.
         finished = closed - movement["windows_pending"]
@@ -158,7 +158,7 @@ def test_a_slow_rank_never_holds_a_fast_one():
     results = run_ranks(_serve, 2, 200, 10, (1.0, 3.0), 6.0, timeout_s=240)
     fast, slow = results
     assert fast["serving_s"] < 0.6 * slow["serving_s"], (fast["serving_s"], slow["serving_s"])
-    assert fast["metrics"]["movement"]["layers_committed"] > 0
+    assert fast["metrics"]["layers_committed"] > 0
     for result in results:
         _check_counters(result["metrics"])
     _check_same_commits(results)
@@ -168,7 +168,7 @@ def test_windows_closing_every_step_are_coalesced_and_keep_committing():
     steps = 200
     results = run_ranks(_serve, 2, steps, 1, (1.0, 5.0), 0.0, timeout_s=240)
     for result in results:
-        movement = result["metrics"]["movement"]
+        movement = result["metrics"]
         _check_counters(result["metrics"])
         assert not [r for r in result["aborts"] if "worker late" in r], result["aborts"]
         assert movement["windows_coalesced"] > 0, movement

@@ -152,12 +152,12 @@ def _fault_body(rank: int, world_size: int, scenario: str) -> dict:
                 runtime.end_step()
         history, mismatches, longest = _serve_until_idle(h, rank, world_size)
         after_fault = state.placement.phy2log.clone()
-        metrics_fault = runtime.metrics()["movement"]
+        metrics_fault = runtime.stats().as_dict()
         # Next attempt (explicit plan) must succeed.
         runtime.rearrange_to(target)
         _, mismatches2, longest2 = _serve_until_idle(h, rank, world_size)
         final = state.placement.phy2log.clone()
-        metrics = runtime.metrics()["movement"]
+        metrics = runtime.stats().as_dict()
         final_slots = slot_mismatches(h["views"], final, rank, world_size, h["payloads"])
     finally:
         runtime.close()
@@ -244,7 +244,7 @@ def _concurrency_body(rank: int, world_size: int, rounds: int) -> dict:
             mismatches += bad
             histories.extend(history)
             assert torch.equal(h["state"].placement.phy2log, target)
-        metrics = h["runtime"].metrics()["movement"]
+        metrics = h["runtime"].stats().as_dict()
     finally:
         h["runtime"].close()
     return {"mismatches": mismatches, "history": histories, "metrics": metrics}
@@ -299,7 +299,7 @@ def _history_body(rank: int, world_size: int) -> dict:
             dist.all_reduce(lockstep)  # the serving collective keeps ranks in lockstep
             runtime.end_step()
         _, mismatches, _ = _serve_until_idle(h, rank, world_size)
-        metrics = runtime.metrics()["movement"]
+        metrics = runtime.stats().as_dict()
     finally:
         runtime.close()
     return {

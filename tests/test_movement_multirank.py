@@ -71,7 +71,7 @@ def _movement_body(rank: int, world_size: int, formats: list[str]) -> dict:
                 assert not runtime.busy, "rearrangement did not finish"
                 assert torch.equal(state.placement.phy2log, new)
             final = slot_mismatches(views, state.placement.phy2log, rank, world_size, payloads)
-            metrics = runtime.metrics()["movement"]
+            metrics = runtime.stats().as_dict()
         finally:
             runtime.close()
         # Replicas identical across ranks: gather every rank's slot payloads.
@@ -170,7 +170,7 @@ def _sync_body(rank: int, world_size: int) -> dict:
         assert torch.equal(state.placement.phy2log, target)
     return {
         "mismatches": slot_mismatches(views, state.placement.phy2log, rank, world_size, payloads),
-        "layers": runtime.metrics()["movement"]["layers_committed"],
+        "layers": runtime.stats().as_dict()["layers_committed"],
     }
 
 
@@ -217,7 +217,7 @@ def _record_body(rank: int, world_size: int, path: str, duplicated: bool = False
     for _ in range(400):
         runtime.begin_step(has_prefill=False, num_valid_tokens=2)
         runtime.end_step()
-        movement = runtime.metrics()["movement"]
+        movement = runtime.stats().as_dict()
         lockstep.fill_(float(movement["plans_recorded"] + movement["record_failures"] == 0))
         dist.all_reduce(lockstep)
         if lockstep.item() == 0:
@@ -229,9 +229,9 @@ def _record_body(rank: int, world_size: int, path: str, duplicated: bool = False
             torch.equal(b, v.tensors()["w13"]) for b, v in zip(before, views, strict=True)
         ),
         "target": target.tolist(),
-        "recorded": runtime.metrics()["movement"]["plans_recorded"],
-        "failures": runtime.metrics()["movement"]["record_failures"],
-        "last_error": runtime.metrics()["movement"]["last_error"],
+        "recorded": runtime.stats().as_dict()["plans_recorded"],
+        "failures": runtime.stats().as_dict()["record_failures"],
+        "last_error": runtime.stats().as_dict()["last_error"],
     }
 
 

@@ -185,29 +185,28 @@ def run_rank(rank: int, world_size: int, options: DemoOptions) -> dict | None:
     # checkpoint tensors (weights AND scales) of the expert the committed placement names.
     runtime.close()
     slot_mismatches = weight_mismatches(model, checkpoint, state)
-    metrics = runtime.metrics()
-    movement = metrics["movement"]
+    stats = runtime.stats()
     graphs_end, breaks_end = _graph_counters()
     logger.info(
         "demo rank %d: %d rearrangements completed (%d layers), %d aborted, %d bytes received",
         rank,
-        movement["rearrangements_completed"],
-        movement["layers_committed"],
-        movement["rearrangements_aborted"],
-        movement["bytes_received"],
+        stats.rearrangements_completed,
+        stats.layers_committed,
+        stats.rearrangements_aborted,
+        stats.bytes_received,
     )
-    commit_seconds = runtime.installer.stats.commit_seconds
+    commit_seconds = [ms / 1e3 for ms in stats.commit_ms]
     pointers_stable = pointers == ([v.data_ptrs() for v in model.views], state.data_ptrs())
     # Cross-rank totals (one collective at the end, on the serving group).
     totals = torch.tensor(
         [
-            float(movement["bytes_received"]),
+            float(stats.bytes_received),
             float(graphs_end - graphs_after_warmup),
             float(breaks_end),
             max_abs_diff,
             max(commit_seconds, default=0.0),
             float(not pointers_stable),
-            float(movement["rearrangements_aborted"]),
+            float(stats.rearrangements_aborted),
             float(slot_mismatches),
         ],
         dtype=torch.float64,
@@ -222,8 +221,8 @@ def run_rank(rank: int, world_size: int, options: DemoOptions) -> dict | None:
         "balancedness_eplb": sums["eplb"] / options.steps,
         "balancedness_baseline": sums["baseline"] / options.steps,
         "step_time": step_time,
-        "rearrangements": movement["rearrangements_completed"],
-        "layers_committed": movement["layers_committed"],
+        "rearrangements": stats.rearrangements_completed,
+        "layers_committed": stats.layers_committed,
         "bytes_moved": int(summed[0]),
         "recompiles": int(totals[1]),
         "graph_breaks": int(totals[2]),
@@ -237,11 +236,11 @@ def run_rank(rank: int, world_size: int, options: DemoOptions) -> dict | None:
         "aborted": int(totals[6]),
         "addresses_stable": not bool(totals[5]),
         "weights_exact": int(summed[7]) == 0,
-        "vetoes": movement["vetoes"],
+        "vetoes": stats.vetoes or 0,
         "commit_steps": commit_steps,
         # rearrange=when_it_pays: the control plane's cost model and decisions (the same
         # implementation the vLLM plugin runs), as rank 0's planner saw them.
-        "cost_model": getattr(getattr(runtime.planner, "gate", None), "published", None),
+        "cost_model": stats.gate,
         "options": {
             k: (list(v) if isinstance(v, tuple) else v)
             for k, v in dataclasses.asdict(options).items()

@@ -10,10 +10,11 @@ Rooms, bottom to top:
   installing payloads;
 - ``transport``: the gloo groups EPLB owns (``GroupRing``) and the batched point-to-point
   exchange;
-- ``agreement`` and ``clock``: store-decided votes and the commit fence;
+- ``agreement``: store-decided votes every rank acts on alike;
 - ``rebalance``: the one pipeline (reduce, plan, agree, stage, exchange, deliver);
-- ``worker``, ``messages``, ``scheduler``: its asynchronous mode (job loop on a thread, what the
-  thread hands the main thread, and the main thread's installs at agreed steps).
+- ``worker``: its asynchronous mode's job loop on a thread;
+- ``commit``: the asynchronous commit protocol (publish at an agreed step, fence, install,
+  acknowledge) and synchronous mode's install.
 
 This package exports the planning and weight-view API; the runtime pieces are imported from
 their modules (``eplb_graph`` exports what a model runner needs).

@@ -38,8 +38,7 @@ import torch.distributed as dist
 from eplb_graph.control.planning import plan_window
 from eplb_graph.control.window import WindowSnapshot, reduce_window
 from eplb_graph.movement.agreement import Decision, StoreAgreement
-from eplb_graph.movement.delivery import InstallNow, PublishAtAgreedStep
-from eplb_graph.movement.messages import PublishedLayer
+from eplb_graph.movement.commit import InstallNow, PublishAtAgreedStep, PublishedLayer
 from eplb_graph.movement.planner import plan_transfer
 from eplb_graph.movement.settings import MovementSettings
 from eplb_graph.movement.staging import StagingPool, stage_reads_
@@ -94,7 +93,7 @@ class RebalanceStats:
     """Counters of the pipeline on this rank (plain values, for metrics)."""
 
     rearrangements_started: int = 0
-    rearrangements_completed: int = 0  # every changed layer delivered (see the runtime's count)
+    jobs_delivered: int = 0  # every changed layer delivered (installed, in sync mode)
     rearrangements_aborted: int = 0
     rearrangements_noop: int = 0  # the plan equalled the committed placement
     layers_delivered: int = 0  # handed to the main thread (async) or installed (sync)
@@ -319,7 +318,7 @@ class RebalancePipeline:
             delivered += len(chunk)
             self.stats.layers_delivered += len(chunk)
             self.stats.bytes_received += received
-        self.stats.rearrangements_completed += 1
+        self.stats.jobs_delivered += 1
         return self._finish(delivered)
 
     def _stage_layer(self, communicator, layer: int, old_row, new_row) -> PublishedLayer:
@@ -339,7 +338,7 @@ class RebalancePipeline:
         except BaseException:
             self.pool.release(block)
             raise
-        return PublishedLayer(self._generation, layer, -1, rank_plan, block, prepared, received)
+        return PublishedLayer(layer, -1, rank_plan, block, prepared, received)
 
     def _record_plan(self, new: torch.Tensor) -> Outcome:
         """Record mode: the agreed plan is written as an expert map, never applied.

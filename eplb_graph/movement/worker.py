@@ -33,7 +33,7 @@ from dataclasses import replace
 import torch
 
 from eplb_graph.movement.agreement import StoreAgreement
-from eplb_graph.movement.messages import PublishedLayer, RearrangementFinished
+from eplb_graph.movement.commit import PublishedLayer, RearrangementFinished
 from eplb_graph.movement.rebalance import Job, PlanJob, RebalancePipeline, WindowJob
 
 logger = logging.getLogger(__name__)
@@ -115,7 +115,6 @@ class MovementWorker:
                 outcome = pipeline.record_failure(error)
             self._outbox.put(
                 RearrangementFinished(
-                    job_round,
                     outcome.ok,
                     outcome.error,
                     outcome.layers_delivered,

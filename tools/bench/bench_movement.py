@@ -333,7 +333,7 @@ def _commit_part(rank: int, world_size: int, config: ExchangeConfig, views) -> d
         wrong = _wrong_slots(views, state.placement.phy2log, rank)
         if wrong:
             raise AssertionError(f"rank {rank}: wrong slots after the runtime rounds: {wrong[:8]}")
-        metrics = runtime.metrics()["movement"]
+        metrics = runtime.stats().as_dict()
         stats = runtime.installer.stats
     finally:
         runtime.close()

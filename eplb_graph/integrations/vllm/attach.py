@@ -207,6 +207,5 @@ def _move_to(settings, state, views, groups, ep_rank: int, target: Placement) ->
         starter.close()
     if not torch.equal(state.committed_snapshot()[1], target.phy2log):
         raise RuntimeError(
-            f"eplb-graph could not move to the starting expert map: "
-            f"{starter.metrics()['movement']['last_error']}"
+            f"eplb-graph could not move to the starting expert map: {starter.stats().last_error}"
         )

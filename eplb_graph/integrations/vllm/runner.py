@@ -95,12 +95,11 @@ class VllmEplbAdapter:
         self._decode_recent: deque[float] = deque(maxlen=RECENT_DECODE_STEPS)
         self._has_prefill = False
         self._digest = (-1, "")  # (placement version, digest), computed on this thread
-        # (started, finished, layers committed, bytes received, aborted) at the last log line
-        self._seen: tuple[int, ...] = (0, 0, 0, 0, 0)
+        self._progress = runtime.progress()  # at the last step
+        self._logged = runtime.progress()  # at the last rearrangement log line
         self._rearrangement_started = 0.0
         # rearrange="when_it_pays": the cost model gets a calibration before its first window.
-        self._gate = getattr(runtime.planner, "gate", None)
-        self._calibrated = self._gate is None
+        self._calibrated = settings.control.rearrange != "when_it_pays"
         self._metrics = None
         self.weight_digests: DigestLog | None = None
         if settings.metrics_path is not None:
@@ -140,10 +139,11 @@ class VllmEplbAdapter:
 
     def _end_step(self) -> None:
         ending = time.perf_counter()
-        started_before = self.runtime.pipeline.stats.rearrangements_started
+        before = self._progress
         self.runtime.end_step()
+        self._progress = self.runtime.progress()
         # Sync mode runs the whole rearrangement inside this end_step: that step rearranged.
-        if self.runtime.pipeline.stats.rearrangements_started != started_before:
+        if self._progress.rearrangements_started != before.rearrangements_started:
             self._step_busy = self._step_busy or not self.runtime.use_async
         # Dummy runs between real steps never call prepare_forward: make them record nothing.
         self.state.set_step_inputs_(0, False)
@@ -164,7 +164,7 @@ class VllmEplbAdapter:
         if self._metrics is not None:
             self._refresh_digest()
             self._record_weight_digests()
-            self._metrics.notify(self.runtime.progress())
+            self._metrics.notify(self._progress)
 
     def _calibrate(self) -> None:
         """Time this rank's kernel on synthetic rows once (before the first real step's
@@ -173,7 +173,7 @@ class VllmEplbAdapter:
         if samples is None:
             return  # no call of the expert op yet: the next step's forward makes one
         self._calibrated = True
-        self.runtime.controller.feedback.calibrate(*samples)
+        self.runtime.calibrate_expert_cost(*samples)
         logger.info(
             "eplb-graph cost calibration on EP rank %d: %d kernel calls, %.1f ms",
             self.ep_rank,
@@ -181,17 +181,10 @@ class VllmEplbAdapter:
             sum(samples[2]) / 1e3,
         )
 
-    def _finished(self) -> int:
-        """Rearrangements finished so far (installed everywhere, or aborted)."""
-        scheduler = self.runtime.scheduler
-        if scheduler is not None:
-            return scheduler.stats.rearrangements_finished
-        return self.runtime.pipeline.stats.rearrangements_started
-
     def _record_expert_time(self) -> float:
         """This step's expert-op time, as the controller's feedback read it from the op's
         counters in this very ``end_step`` (one reader per step, not two)."""
-        seconds = self.runtime.controller.feedback.last_step_expert_ns / 1e9
+        seconds = self.runtime.last_step_expert_ns / 1e9
         self._expert_seconds.append(seconds)
         return seconds
 
@@ -207,34 +200,37 @@ class VllmEplbAdapter:
         }
 
     def _log_rearrangement(self) -> None:
-        """One INFO line per finished rearrangement (EP rank 0): layers, bytes, time, balancedness.
+        """One INFO line per rearrangement that committed layers or aborted (EP rank 0):
+        layers, bytes, time, balancedness; numbered as the metrics files count them.
 
-        Reads plain counters only; the line is built only when a rearrangement started or ended.
+        Reads the cheap progress counters every step; the full stats only for a line. A window
+        that kept the placement ends a job too, with nothing to say here: the decision's own
+        line says why it kept still (``eplb_graph.control.decision_log``).
         """
-        stats = self.runtime.pipeline.stats
-        ended = self._finished()
-        started = stats.rearrangements_started
-        if started != self._seen[0]:
+        now, logged = self._progress, self._logged
+        if now.rearrangements_started != logged.rearrangements_started:
             self._rearrangement_started = self._step_started
-        if ended == self._seen[1]:
-            self._seen = (started, ended, *self._seen[2:])
-            return
-        layers = self.runtime.installer.stats.layers_committed
-        received = stats.bytes_received
+        if now.rearrangements_finished == logged.rearrangements_finished:
+            return  # nothing ended (layers may be committing meanwhile)
+        committed = now.layers_committed != logged.layers_committed
+        aborted = now.rearrangements_aborted != logged.rearrangements_aborted
+        self._logged = now
+        if not (committed or aborted):
+            return  # a window that kept the placement
+        stats = self.runtime.stats()
         if self.ep_rank == 0:
             hotness = stats.last_hotness or {}
             logger.info(
-                "eplb-graph rearrangement %d %s: %d layers committed, %.1f KiB received, %.0f ms, "
-                "balancedness %s under the old placement -> %s planned (last window's load)",
-                ended,
-                "aborted" if stats.rearrangements_aborted != self._seen[4] else "done",
-                layers - self._seen[2],
-                (received - self._seen[3]) / 1024,
+                "eplb-graph rearrangement %d %s: %d layers committed, %.0f ms, balancedness "
+                "%s under the old placement -> %s planned (last window's load)%s",
+                stats.rearrangements_completed + stats.rearrangements_aborted,
+                "aborted" if aborted else "done",
+                now.layers_committed - logged.layers_committed,
                 1e3 * (time.perf_counter() - self._rearrangement_started),
                 _fmt(stats.last_window_balancedness),
                 _fmt(hotness.get("updated_balancedness")),
+                f": {stats.last_error}" if aborted else "",
             )
-        self._seen = (started, ended, layers, received, stats.rearrangements_aborted)
 
     def _refresh_digest(self) -> None:
         """The digest of the committed placement, recomputed on the thread that commits."""
@@ -249,32 +245,31 @@ class VllmEplbAdapter:
 
     def snapshot(self) -> dict[str, Any]:
         """This rank's figures (what the metrics file holds)."""
-        metrics = self.runtime.metrics()
-        movement, control, decision = metrics["movement"], metrics["control"], metrics["decision"]
-        gate = None if self._gate is None else self._gate.published
+        stats = self.runtime.stats()
+        gate = stats.gate
         return {
             "rank": self.ep_rank,
             "ep_size": self.ep_size,
             "steps": self.steps,
-            "async": metrics["async"],
+            "async": stats.is_async,
             "policy": self.settings.control.policy,
-            "windows_closed": control["windows_closed"],
-            "rearrangements_started": movement["rearrangements_started"],
-            "rearrangements": movement["rearrangements_completed"],
-            "aborted": movement["rearrangements_aborted"],
-            "noop": movement["rearrangements_noop"],
-            "plans_recorded": movement["plans_recorded"],
-            "layers_committed": movement["layers_committed"],
-            "bytes_received": movement["bytes_received"],
-            "balancedness": movement["last_window_balancedness"],
-            "hotness": movement["last_hotness"],
-            "placement_version": control["placement_version"],
+            "windows_closed": stats.windows_closed,
+            "rearrangements_started": stats.rearrangements_started,
+            "rearrangements": stats.rearrangements_completed,
+            "aborted": stats.rearrangements_aborted,
+            "noop": stats.rearrangements_noop,
+            "plans_recorded": stats.plans_recorded,
+            "layers_committed": stats.layers_committed,
+            "bytes_received": stats.bytes_received,
+            "balancedness": stats.last_window_balancedness,
+            "hotness": stats.last_hotness,
+            "placement_version": stats.placement_version,
             "placement_digest": self._digest[1],
-            "last_decision": decision["last"],
-            "planning_failures": decision["failures"],
+            "last_decision": stats.last_decision,
+            "planning_failures": stats.planning_failures,
             "moves": [] if gate is None else gate["moves"],
-            "last_error": movement["last_error"],
-            "balancedness_windows": movement["window_balancedness"],
+            "last_error": stats.last_error,
+            "balancedness_windows": list(stats.window_balancedness),
             "compile": compile_figures(self._model_compiled, self._graphs_at_first_step),
             "step_ms": {name: _summary(list(times)) for name, times in self._step_seconds.items()},
             "eplb_hooks_ms": {
@@ -283,8 +278,11 @@ class VllmEplbAdapter:
             **self._expert_figures(),
             "rearrange": self.settings.control.rearrange,
             "cost_model": gate,
-            "cost_samples": control["cost_samples"],
-            "policy_ms_total": 1e3 * movement["policy_seconds"],
+            "cost_samples": {
+                "taken": stats.cost_samples_taken,
+                "dropped_outliers": stats.cost_samples_dropped,
+            },
+            "policy_ms_total": 1e3 * stats.planning_seconds,
             "closed": self.closed,
             **(
                 {"weight_digests": self.weight_digests.document()}
@@ -309,15 +307,15 @@ class VllmEplbAdapter:
         if self._metrics is not None:
             self._refresh_digest()
             self._metrics.close(self.runtime.progress())
-        movement = self.runtime.metrics()["movement"]
+        stats = self.runtime.stats()
         logger.info(
             "eplb-graph closing on EP rank %d: %d steps, %d rearrangements (%d aborted), "
             "%d layers committed, metrics %s",
             self.ep_rank,
             self.steps,
-            movement["rearrangements_completed"],
-            movement["rearrangements_aborted"],
-            movement["layers_committed"],
+            stats.rearrangements_completed,
+            stats.rearrangements_aborted,
+            stats.layers_committed,
             self.settings.metrics_path or "off",
         )
         self.runtime.close()
