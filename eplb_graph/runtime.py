@@ -94,49 +94,16 @@ class EplbRuntime:
         self.views = list(views)
         self.rank = rank
         self.use_async = use_async
-        # Capped by the model (a chunk or block count beyond its layers is never used), and the
-        # staging memory checked against its budget before any of it is allocated.
+        # Capped by the model (a chunk or block count beyond its layers is never used).
         self.movement = (movement or MovementSettings()).for_layers(state.num_layers)
-        slot_nbytes = max(view.slot_nbytes for view in self.views)
-        self.planner = planner or PolicyPlanner(
-            control.policy,
-            state.num_slots,
-            control.num_groups,
-            control.num_nodes,
-            state.num_ranks,
-            dict(control.policy_options),
-            control.min_gain_percent,
-            rearrange=control.rearrange,
-            max_replicas=state.max_replicas,
-            step_interval=control.step_interval,
-            copy_bytes=slot_nbytes,
-            announce=rank == 0,
-            windows_path=control.windows_path if rank == 0 else None,
-        )
-        slots_per_rank = state.num_slots // state.num_ranks
-        blocks = self.movement.num_staging_blocks
-        check_staging_budget(
-            blocks, slots_per_rank, slot_nbytes, self.movement.staging_budget_bytes
-        )
-        self.pool = StagingPool(blocks, slots_per_rank, slot_nbytes)
-        self.installer = LayerInstaller(state, self.views, self.pool)
+        # Read top-down, one rearrangement's path: what decides, where weights are staged and
+        # installed, how ranks agree, the pipeline that moves, and the controller that starts
+        # it at every window close.
+        self.planner = planner or self._default_planner(control)
+        self.pool, self.installer = self._staging()
         self.clock = StepClock()
-        lag = self.movement.exchange_timeout_s + self.movement.agree_timeout_s
-        self.agreement = agreement or StoreAgreement(
-            default_store(),
-            rank,
-            state.num_ranks,
-            vote_timeout_s=lag,
-            decision_timeout_s=2 * lag + 5.0,
-        )
-        if use_async:
-            self.worker: MovementWorker | None = MovementWorker(rank)
-            delivery: PublishAtAgreedStep | InstallNow = PublishAtAgreedStep(
-                self.clock, self.pool, self.worker.publish, self.movement.commit_margin_steps
-            )
-        else:
-            self.worker = None
-            delivery = InstallNow(self.installer)
+        self.agreement = agreement or self._default_agreement()
+        self.worker = MovementWorker(rank) if use_async else None
         self.pipeline = RebalancePipeline(
             state,
             self.views,
@@ -144,7 +111,7 @@ class EplbRuntime:
             groups,
             rank,
             self.agreement,
-            delivery,
+            self._delivery(),
             planner=self.planner,
             time_samples=control.time_samples,
             settings=self.movement,
@@ -157,20 +124,76 @@ class EplbRuntime:
                 self.worker, self.installer, self.clock, self.agreement.veto
             )
             self.worker.start(self.pipeline)
-        # The balancedness log (opt-in) sums recent load across ranks on the main thread, at
-        # logging steps only, over a gloo group of its own (never the serving group or the
-        # pipeline's).
-        reduce = local_reducer
-        if control.log_balancedness and dist.is_initialized() and state.num_ranks > 1:
-            reduce = process_group_reducer(dist.new_group(backend="gloo"))
         self.controller = EplbController(
-            state, control, self._rebalance, reduce=reduce, record_load=record_load
+            state,
+            control,
+            self._rebalance,
+            reduce=self._balancedness_reducer(control),
+            record_load=record_load,
         )
         gate = getattr(self.planner, "gate", None)
         if gate is not None:
             # The serving thread judges outlier calls against the model the worker last fitted
             # (an immutable object: reading the reference needs no lock).
             self.controller.feedback.model_source = lambda: gate.model
+
+    # -- building ------------------------------------------------------------------------------
+    def _default_planner(self, control: ControlSettings) -> PolicyPlanner:
+        state = self.state
+        return PolicyPlanner(
+            control.policy,
+            state.num_slots,
+            control.num_groups,
+            control.num_nodes,
+            state.num_ranks,
+            dict(control.policy_options),
+            control.min_gain_percent,
+            rearrange=control.rearrange,
+            max_replicas=state.max_replicas,
+            step_interval=control.step_interval,
+            copy_bytes=self._slot_nbytes,
+            announce=self.rank == 0,
+            windows_path=control.windows_path if self.rank == 0 else None,
+        )
+
+    @property
+    def _slot_nbytes(self) -> int:
+        return max(view.slot_nbytes for view in self.views)
+
+    def _staging(self) -> tuple[StagingPool, LayerInstaller]:
+        """The staging blocks (their memory checked against its budget before any of it is
+        allocated) and the installer that empties them into the live weights."""
+        slots_per_rank = self.state.num_slots // self.state.num_ranks
+        blocks = self.movement.num_staging_blocks
+        nbytes = self._slot_nbytes
+        check_staging_budget(blocks, slots_per_rank, nbytes, self.movement.staging_budget_bytes)
+        pool = StagingPool(blocks, slots_per_rank, nbytes)
+        return pool, LayerInstaller(self.state, self.views, pool)
+
+    def _default_agreement(self) -> StoreAgreement:
+        lag = self.movement.exchange_timeout_s + self.movement.agree_timeout_s
+        return StoreAgreement(
+            default_store(),
+            self.rank,
+            self.state.num_ranks,
+            vote_timeout_s=lag,
+            decision_timeout_s=2 * lag + 5.0,
+        )
+
+    def _delivery(self) -> PublishAtAgreedStep | InstallNow:
+        """Async: publish to the main thread for an agreed step; sync: install at once."""
+        if self.worker is None:
+            return InstallNow(self.installer)
+        return PublishAtAgreedStep(
+            self.clock, self.pool, self.worker.publish, self.movement.commit_margin_steps
+        )
+
+    def _balancedness_reducer(self, control: ControlSettings):
+        """The balancedness log (opt-in) sums recent load across ranks on the main thread, at
+        logging steps only, over a gloo group of its own (never the serving group)."""
+        if control.log_balancedness and dist.is_initialized() and self.state.num_ranks > 1:
+            return process_group_reducer(dist.new_group(backend="gloo"))
+        return local_reducer
 
     # -- per step ------------------------------------------------------------------------------
     def begin_step(self, *, has_prefill: bool, num_valid_tokens: int) -> list[int]:
