@@ -194,6 +194,7 @@ class PaybackGate:
         now = self._step_us(committed, evidence.planned) * ratio
         realized = self.ledger.realized()
         figures = {
+            "shifted": evidence.shifted,
             "signal_share": evidence.signal_share,
             "predicted_step_ms_now": now / 1e3,
             "horizon_steps": self.step_interval,
@@ -338,7 +339,8 @@ class PaybackGate:
         committed = evidence.committed
         start = self._step_us(self._initial, evidence.planned) * self._ratio(self._initial)
         figures = {
-            name: {"signal_share": evidence.signal_share, "predicted_step_ms_initial": start / 1e3,
+            name: {"shifted": evidence.shifted, "signal_share": evidence.signal_share,
+                   "predicted_step_ms_initial": start / 1e3,
                    **self._figures(evidence, plan, now)}
             for name, plan in candidates.items()
         }  # fmt: skip
