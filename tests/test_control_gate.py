@@ -204,7 +204,7 @@ def test_slower_than_the_start_under_a_new_load_goes_back_even_when_going_back_d
     fitted = serving.fitted
     slower = predicted_step_us(committed, MIXED, RANKS, fitted)
     start = predicted_step_us(DEFAULT, MIXED, RANKS, fitted)
-    assert slower > (1 + BACK_TOLERANCE["measured"]) * start
+    assert slower > (1 + BACK_TOLERANCE) * start
     gate.step_interval = 1
     committed, back = _serve(gate, serving, committed, MIXED)
     assert back["action"] == "rollback" and back["net_ms"] < 0
@@ -258,22 +258,6 @@ def test_within_the_tolerance_of_the_start_it_stays():
     gate.decide(serving.window(DEFAULT, MIXED), None)
     gate.decide(serving.window(plan, MIXED, slower=1.03), None)
     assert gate.decisions[-1]["action"] == "kept"
-
-
-def test_against_a_start_it_only_predicts_the_tolerance_is_the_models():
-    """The start never served this load: it is predicted with the committed placement's
-    calibration, and 2% slower than it is a step back (as measured, it would be noise)."""
-    gate, serving = _gate(step_interval=1), Serving(ROWS)
-    plan = DEFAULT.clone()
-    plan[0, 32] = 8  # rank 1's spare slot takes a hot code expert: rank 1 gets busier
-    fitted = serving.fitted
-    ratio = predicted_step_us(plan, MIXED, RANKS, fitted) / predicted_step_us(
-        DEFAULT, MIXED, RANKS, fitted
-    )
-    assert 1.01 < ratio < 1.05
-    gate.decide(serving.window(DEFAULT, CODE), None)  # the start measured under another load
-    _, back = _serve(gate, serving, plan, MIXED)
-    assert back["action"] == "rollback" and back["candidate"] == "initial"
 
 
 def test_moves_that_realize_less_than_predicted_make_the_next_plans_repay_more():

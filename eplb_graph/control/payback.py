@@ -70,13 +70,12 @@ from eplb_graph.policy.preserve import preserve_slots, relabel_ranks, transfers_
 
 __all__ = ["PaybackGate"]
 
-BACK_TOLERANCE = {"measured": 0.05, "predicted": 0.01}
-"""How much slower, under the served load, the committed placement may be than the starting
-placement (what EPLB off serves) or the one before the last move before the gate goes back:
-5% where that placement was measured under a load like this one (two measurements of one
-placement on a shared host differ by as much), 1% where it is predicted (with the committed
-placement's calibration, so only the model's resolution between two placements counts: on the
-drift benchmark a placement the model put 1.8% slower than the start measured 3% slower)."""
+BACK_TOLERANCE = 0.05
+"""The committed placement must go back when it is more than 5% slower, under the served load,
+than the starting placement or the one before the last move: two measurements of one placement
+on a shared host differ by as much, and so does the model between two placements (on the drift
+benchmark, a 1% threshold went back from a placement the model put 2% slower than the start; the
+start then measured 8% slower, and it went forward again: two moves of 31 copies for nothing)."""
 CLEARLY_FASTER = 0.05
 """Going back, the gate moves to that placement itself unless another is predicted faster
 than it by this much (a placement that served is known; a new one is a prediction)."""
@@ -294,7 +293,7 @@ class PaybackGate:
             name: reference
             for name, reference in references.items()
             if not torch.equal(reference, committed)
-            and now > (1 + self._tolerance(reference)) * self._step_us(reference, served)
+            and now > (1 + BACK_TOLERANCE) * self._step_us(reference, served)
             * self._ratio(reference)
         }  # fmt: skip
         if not slower_than:
@@ -305,10 +304,6 @@ class PaybackGate:
         }
         name = min(times, key=lambda n: (times[n], n))
         return _Back(name, slower_than[name], times[name])
-
-    def _tolerance(self, reference: torch.Tensor) -> float:
-        measured = self._calibrations.find(reference, self._shares) is not None
-        return BACK_TOLERANCE["measured" if measured else "predicted"]
 
     # -- 4. what could be better ---------------------------------------------------------------
     def _candidates(
