@@ -78,9 +78,11 @@ class Serving:
         moved_us: int = 0,
         moved_steps: int = 0,
         measured: bool = True,
+        before: torch.Tensor | None = None,
     ) -> WindowLoad:
         """The next window under ``committed``; ``moved_us`` / ``moved_steps``: what moving
-        cost serving since the last window (added to the ranks' running totals)."""
+        cost serving since the last window (added to the ranks' running totals); ``before``:
+        the load of the window's older half (the traffic shifted within it to ``per_step``)."""
         self.step += self.interval
         self.cost_us += moved_us
         self.moving_steps += moved_steps
@@ -95,8 +97,16 @@ class Serving:
         )
         return WindowLoad(
             step=self.step,
-            logical=(per_step * self.steps).round().to(torch.int64).unsqueeze(0),
+            logical=self._buckets(per_step, before),
             physical=torch.zeros(committed.shape, dtype=torch.int64),
             committed=committed,
             feedback=WindowFeedback.parse(vector),
         )
+
+    def _buckets(self, per_step: torch.Tensor, before: torch.Tensor | None) -> torch.Tensor:
+        """``[B, L, N]``: one bucket of the window's load, or four when it shifted midway."""
+        if before is None:
+            return (per_step * self.steps).round().to(torch.int64).unsqueeze(0)
+        quarter = self.steps / 4
+        halves = [before, before, per_step, per_step]
+        return torch.stack([(load * quarter).round() for load in halves]).to(torch.int64)

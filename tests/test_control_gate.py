@@ -178,6 +178,24 @@ def test_the_placement_follows_the_hot_experts_within_two_windows(model):
     assert gate.counts["applied"] >= 2 and gate.counts["failed"] == 0
 
 
+def test_a_window_the_traffic_shifted_in_is_planned_on_its_newer_half():
+    """Code then chat within one window: a plan for their blend would fit neither. The gate
+    plans on the chat half at once, and the blended measurement calibrates nothing."""
+    gate, serving = _gate(), Serving(ROWS)
+    committed, _ = _serve(gate, serving, DEFAULT, CODE)
+    calibrated = len(gate._calibrations.entries)
+    plan, decision = _serve(gate, serving, committed, CHAT, before=CODE)
+    assert decision["shifted"] is True and decision["action"] in ("applied", "rollback")
+    fitted = serving.fitted
+    best = predicted_step_us(pack_by_predicted_time(CHAT, 40, RANKS, 9, fitted), CHAT, RANKS,
+                             fitted)  # fmt: skip
+    assert predicted_step_us(plan, CHAT, RANKS, fitted) <= 1.05 * best
+    assert len(gate._calibrations.entries) == calibrated
+    # The same halves alike (no shift): the window is the whole, and it is measured.
+    _, steady = _serve(gate, serving, plan, CHAT, before=CHAT)
+    assert steady["shifted"] is False and len(gate._calibrations.entries) > calibrated
+
+
 def test_slower_than_the_start_under_a_new_load_goes_back_even_when_going_back_does_not_repay():
     """Planned for code, then both domains at once: the default layout is even there, the code
     plan is not. Going back moves copies that one interval cannot repay; it goes back anyway."""

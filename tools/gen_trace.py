@@ -1,7 +1,7 @@
 """Generate a synthetic load trace for ``eplb-graph simulate --trace``.
 
 Example: ``python tools/gen_trace.py --out trace.npz --steps 20000 --shape zipf --skew 1.0``.
-The format is documented in ``eplb_graph/simulate/trace.py`` and ``docs/user-guide.md``.
+The format is documented in ``eplb_graph/simulate/trace.py`` and ``docs/operations.md``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """What one closed window tells the payback gate: the model, the load, what the ranks measured.
 
-Identical on every rank: every input is a sum from the window reduction. The load comes twice:
+Identical on every rank: every input is a sum from the window reduction. When the traffic
+changed within the window (its newer time buckets' expert shares far from its older ones'), the
+load is the newer half's: a plan for the blend of two loads fits neither. The load comes twice:
 as served (what the ranks measured was measured under it, so judging what ran uses it) and with
 its noise shrunk away (:func:`~eplb_graph.control.load_noise.shrink_to_signal`: planning on a
 window's noise predicts savings that never come).
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from eplb_graph.control.calibration import SIMILAR_LOAD, load_distance, load_shares
 from eplb_graph.control.cost_model import ExpertCostModel, predict_rank_us
 from eplb_graph.control.load_noise import shrink_to_signal
 from eplb_graph.control.window import WindowLoad
@@ -39,6 +42,8 @@ class Evidence:
     """Each rank's expert µs per step over all layers (``None`` likewise)."""
     movement_cost_us: float | None
     """What moving weights has cost serving so far (the ranks' running total, µs)."""
+    shifted: bool = False
+    """The traffic changed within the window: the load is its newer half's."""
     copy_us: float = 0.0
     """The price of one copy, learnt from the moves measured so far (set by the gate)."""
 
@@ -66,9 +71,15 @@ def read_window(
     steps = feedback.steps_per_rank
     if steps <= 0 or float(logical.sum()) <= 0:
         return model, "no load recorded in this window"
+    newer = _after_a_shift(logical)
+    if newer is not None:
+        # The traffic changed within the window: plan on what it serves now. What the ranks
+        # measured blends two loads, so it neither calibrates nor judges a placement.
+        steps *= newer.shape[0] / logical.shape[0]
+        logical = newer
     served = logical.sum(dim=0) / steps
     planned, signal = shrink_to_signal(logical, steps)
-    measured_ranks = feedback.measured_rank_us()
+    measured_ranks = None if newer is not None else feedback.measured_rank_us()
     if measured_ranks is not None and (
         len(measured_ranks) != num_ranks
         or not all(math.isfinite(us) and us > 0 for us in measured_ranks)
@@ -81,10 +92,27 @@ def read_window(
         served=served,
         planned=planned,
         signal_share=float(signal.mean()),
-        measured_step_us=_measured_step_us(feedback, load.committed.shape[0], num_ranks),
+        measured_step_us=None
+        if newer is not None
+        else _measured_step_us(feedback, load.committed.shape[0], num_ranks),
         measured_rank_us=measured_ranks,
         movement_cost_us=feedback.movement_cost_us,
+        shifted=newer is not None,
     )
+
+
+def _after_a_shift(logical: torch.Tensor) -> torch.Tensor | None:
+    """The newer half of the window's time buckets when the load's expert shares in it are
+    more than :data:`~eplb_graph.control.calibration.SIMILAR_LOAD` away from the older half's
+    (the traffic shifted within the window), else ``None``."""
+    count = logical.shape[0]
+    if count < 4:
+        return None
+    older, newer = logical[: count // 2], logical[count // 2 :]
+    if float(older.sum()) <= 0 or float(newer.sum()) <= 0:
+        return None
+    distance = load_distance(load_shares(older.sum(dim=0)), load_shares(newer.sum(dim=0)))
+    return newer if distance > SIMILAR_LOAD else None
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from pathlib import Path
 from vllm_benefit import paired_interval, pyplot
 
 PROMPT_TOKENS = 24
-FIRST_ROUNDS = 2
+FIRST_ROUNDS = 3
 PHASES = ("code", "chat", "mixed", "uniform")
 CODE_EXPERTS = tuple(range(8, 16))
 CHAT_EXPERTS = tuple(range(24, 32))
