@@ -47,7 +47,10 @@ def _rank_body(rank: int, world_size: int, row_us: int, hot: int, penalty_ms: fl
         # What the model cannot see: under any moved placement every call takes penalty_ms more.
         moved = not torch.equal(state.placement.phy2log, placement.phy2log)
         penalty_us = int(1000 * penalty_ms) if moved else 0
-        ids = experts[torch.randint(0, hot, (32, 2), generator=generator)]
+        # The first windows serve every expert alike (nothing to move; the starting placement is
+        # measured once a rank's first steps are past), then the skew begins.
+        pool = experts if step >= EVEN_STEPS else torch.arange(EXPERTS)
+        ids = pool[torch.randint(0, len(pool), (32, 2), generator=generator)]
         runtime.begin_step(has_prefill=False, num_valid_tokens=32)
         busiest_us = 0.0
         for layer in range(LAYERS):
@@ -87,7 +90,8 @@ def _rank_body(rank: int, world_size: int, row_us: int, hot: int, penalty_ms: fl
     }
 
 
-STEPS = 80
+EVEN_STEPS = 36
+STEPS = 116
 DEFAULT = [[*range(EXPERTS), 0, 1] for _ in range(LAYERS)]
 
 

@@ -18,16 +18,14 @@ def summary_table(report: dict) -> str:
         ("policy / window / interval", (
             f"{options['policy']} / {options['window_size']} / {options['step_interval']} steps"
         )),
-        ("balancedness, EPLB on", (
-            f"{report['balancedness_eplb']:.4f}  (mean over the {steps} steps of mean / max "
-            "rank load; 1 = even)"
-        )),
-        ("balancedness, EPLB off", (
-            f"{report['balancedness_baseline']:.4f}  (same traffic, initial placement kept)"
-        )),
         ("step time, EPLB on / off", _step_row(report)),
         ("busiest rank's expert time", _expert_row(report)),
-        ("balancedness measured", _measured_row(report)),
+        ("balancedness of expert time", _measured_row(report)),
+        ("balancedness of rows, on / off", (
+            f"{report['balancedness_eplb']:.4f} / {report['balancedness_baseline']:.4f}  (mean "
+            f"over the {steps} steps of mean / max rows per rank, same traffic; what the policy "
+            "evens, a means to the row above)"
+        )),
         ("rearrangements completed", (
             f"{report['rearrangements']} ({report['layers_committed']} layers committed)"
         )),
@@ -76,7 +74,10 @@ def _measured_row(report: dict) -> str:
         return "not measured"
     values = [timing[name]["balancedness_measured"] for name in ("eplb", "baseline")]
     on, off = ("n/a" if v is None else f"{v:.4f}" for v in values)
-    return f"on {on}, off {off}  (mean / max over ranks of expert time)"
+    return (
+        f"on {on}, off {off}  (mean / max over ranks of measured expert time: what a step "
+        "waits for; 1 = every rank equally busy)"
+    )
 
 
 def speed_effect(report: dict) -> str:
