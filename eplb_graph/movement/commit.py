@@ -31,15 +31,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from eplb_graph.movement.agreement import Decision, StoreAgreement
 from eplb_graph.movement.planner import RankPlan
 from eplb_graph.movement.staging import LayerInstaller, StagingBlock, StagingPool
 from eplb_graph.state import PreparedLayer
-
-if TYPE_CHECKING:
-    from eplb_graph.movement.worker import MovementWorker
 
 __all__ = [
     "CommitScheduler",
@@ -51,6 +48,12 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+
+class Outbox(Protocol):
+    """Where the worker's items wait for the main thread (``MovementWorker.poll``)."""
+
+    def poll(self) -> list[PublishedLayer | RearrangementFinished]: ...
 
 
 # -- what travels from the worker to the main thread ---------------------------------------------
@@ -277,7 +280,7 @@ class CommitScheduler:
 
     def __init__(
         self,
-        worker: MovementWorker,
+        worker: Outbox,
         installer: LayerInstaller,
         clock: StepClock,
         veto: Callable[[str], Decision],
