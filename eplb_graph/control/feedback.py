@@ -270,7 +270,7 @@ class ServingFeedback:
         usable = decode and not in_flight
         layer_us = self._take_cost_samples(usable)
         self._steps_seen += 1
-        if self._steps_seen <= WARMUP_STEPS:
+        if in_window and self._steps_seen <= WARMUP_STEPS:
             self._window_mixed = True  # not a measurement of the placement (see WARMUP_STEPS)
         if in_window:
             self._window_steps += 1
