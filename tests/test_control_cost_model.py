@@ -29,8 +29,9 @@ from eplb_graph.control.feedback import (
     WindowFeedback,
     feedback_size,
 )
-from eplb_graph.control.payback import MAX_UNPRICED, PaybackGate
+from eplb_graph.control.payback import PaybackGate
 from eplb_graph.control.planning import PolicyPlanner
+from eplb_graph.control.refusal import MAX_UNPRICED
 from eplb_graph.control.window import WindowLoad
 from eplb_graph.placement import Placement
 from eplb_graph.policy import rebalance

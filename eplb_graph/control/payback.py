@@ -41,8 +41,8 @@ Two shortcuts keep a window cheap where nothing can repay a move (planning runs 
 that serve): before any candidate is built, the committed placement's predicted time is set
 against a floor no placement beats (:func:`~eplb_graph.control.cost_model.lower_bound_step_us`),
 and a window like the last one whose candidates were all priced and refused (same placement,
-price and a saving bound not grown past :data:`REPRICE_GROWTH` times) is refused on its word,
-at most :data:`MAX_UNPRICED` times in a row. Neither applies when the gate must go back.
+price and a saving bound not grown much: :class:`~eplb_graph.control.refusal.RefusalMemory`) is
+refused on its word, a few times in a row. Neither applies when the gate must go back.
 
 A window whose deciding fails (a bug, a policy error) keeps the placement and is recorded as
 ``failed`` with its cause; the next window decides afresh. Every decision is kept (newest
@@ -63,6 +63,7 @@ from eplb_graph.control.calibration import Calibrations, load_shares
 from eplb_graph.control.cost_model import ExpertCostModel, lower_bound_step_us, predict_rank_us
 from eplb_graph.control.evidence import Evidence, check_prediction, read_window
 from eplb_graph.control.moves import MoveLedger
+from eplb_graph.control.refusal import RefusalMemory
 from eplb_graph.control.window import WindowLoad
 from eplb_graph.policy.incremental import improve_by_moves
 from eplb_graph.policy.predicted_time import pack_by_predicted_time
@@ -84,13 +85,6 @@ MIN_SAVING = 0.02
 prediction is within the model's error between two placements, and on the drift benchmark such
 moves measured as often slower as faster (each still costs its copies)."""
 KEPT = 16
-REPRICE_GROWTH = 1.25
-"""A window whose saving bound is more than this many times the bound of the last window whose
-candidates were all priced and refused is priced again (its load moved toward a skew a plan
-could use) ..."""
-MAX_UNPRICED = 7
-"""... and so is every window after this many kept in a row on the last pricing's word."""
-
 PolicyPlan = torch.Tensor | Callable[[], torch.Tensor | None] | None
 """The configured policy's candidate: a plan, a callable making it on demand, or none."""
 
@@ -103,18 +97,6 @@ class _Back:
     name: str
     placement: torch.Tensor
     bound_us: float
-
-
-@dataclass
-class _Refusal:
-    """The last window whose candidates were all priced and none repaid, and what it was priced
-    under: while nothing of that changes, a window like it is refused again without pricing."""
-
-    step: int
-    committed: torch.Tensor
-    copy_us: float
-    bound_us: float
-    unpriced: int = 0
 
 
 @dataclass
@@ -149,7 +131,7 @@ class PaybackGate:
     _initial: torch.Tensor | None = None
     _calibrations: Calibrations = field(init=False)
     _shares: torch.Tensor | None = None
-    _last_refusal: _Refusal | None = None
+    _refusals: RefusalMemory = field(default_factory=RefusalMemory)
     _copy_us: float = 0.0
 
     def __post_init__(self) -> None:
@@ -209,11 +191,11 @@ class PaybackGate:
             figures["saving_bound_ms_per_step"] = max(0.0, now - floor) / 1e3
             if self._cannot_repay(now, (now - floor) * realized, evidence.copy_us):
                 return self._keep(evidence.step, "no placement can repay a move", **figures)
-            if self._refused_before(committed, evidence.copy_us, now - floor):
+            if self._refusals.answers(committed, evidence.copy_us, now - floor):
                 return self._keep(
                     evidence.step,
                     "nothing repaid when last priced, and the saving bound has not grown",
-                    priced_at_step=self._last_refusal.step,
+                    priced_at_step=self._refusals.last.step,
                     **figures,
                 )
         if callable(policy_plan):
@@ -370,11 +352,11 @@ class PaybackGate:
                 bound_us = (now - self._floor_us(evidence) * self._ratio(committed)) * (
                     self.ledger.realized()
                 )
-                self._last_refusal = _Refusal(evidence.step, committed, evidence.copy_us, bound_us)
+                self._refusals.remember(evidence.step, committed, evidence.copy_us, bound_us)
             return self._keep(evidence.step, reasons[name], candidate=name, **figures[name])
         name = max(eligible, key=lambda n: (figures[n]["net_ms"], n == "policy", n))
         plan, chosen = candidates[name], figures[name]
-        self._last_refusal = None
+        self._refusals.last = None
         self.ledger.applied(
             evidence.step, name, committed.clone(), plan.clone(), chosen["copies"],
             chosen["saving_ms_per_step"] * 1e3,
@@ -447,25 +429,6 @@ class PaybackGate:
         return lower_bound_step_us(
             evidence.planned, self.num_ranks, evidence.model, self.num_slots, self.max_replicas
         )
-
-    def _refused_before(self, committed: torch.Tensor, copy_us: float, bound_us: float) -> bool:
-        """Whether the last priced refusal still answers this window: same placement, a price
-        no lower, a saving bound not grown past :data:`REPRICE_GROWTH` times its own, and fewer
-        than :data:`MAX_UNPRICED` windows kept on its word. Pricing (the policy's plan, the
-        packer, the priced moves) is most of a window's work, and it runs on the cores that
-        serve; at a small uniform batch the bound stays just above one copy's cost window after
-        window while no candidate comes near it."""
-        refusal = self._last_refusal
-        if (
-            refusal is None
-            or refusal.unpriced >= MAX_UNPRICED
-            or copy_us < refusal.copy_us
-            or bound_us > REPRICE_GROWTH * refusal.bound_us
-            or not torch.equal(refusal.committed, committed)
-        ):
-            return False
-        refusal.unpriced += 1
-        return True
 
     # -- predictions -----------------------------------------------------------------------------
     def _step_us(self, phy2log: torch.Tensor, per_step: torch.Tensor) -> float:
