@@ -293,6 +293,7 @@ class EplbRuntime:
         """
         pipeline, controller = self.pipeline.stats, self.controller
         feedback = controller.feedback
+        moved = feedback.movement_cost_us
         gate = getattr(self.planner, "gate", None)
         scheduler = self.scheduler
         if scheduler is not None:
@@ -340,6 +341,7 @@ class EplbRuntime:
             layers_committed=self.installer.stats.layers_committed,
             commit_ms=tuple(1e3 * s for s in self.installer.stats.commit_seconds),
             bytes_received=pipeline.bytes_received,
+            movement_cost_ms=None if moved is None else moved / 1e3,
             plans_recorded=pipeline.plans_recorded,
             record_failures=pipeline.record_failures,
             last_error=pipeline.last_error,

@@ -81,6 +81,10 @@ class EplbStats:
     commit_ms: tuple[float, ...]
     """Main-thread time of each layer's install and commit (ms), in order."""
     bytes_received: int
+    movement_cost_ms: float | None
+    """What moving weights has cost this rank's serving so far (ms): the steps that ran a
+    synchronous rearrangement, or moving steps' time beyond idle ones (asynchronous); ``None``
+    before any was priced. Set against the steps it shortened, it says whether moving paid."""
     plans_recorded: int
     record_failures: int
     last_error: str | None

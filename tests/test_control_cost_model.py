@@ -17,6 +17,8 @@ import torch
 from eplb_graph.arguments import SettingsError
 from eplb_graph.control import ControlSettings
 from eplb_graph.control.cost_model import (
+    AGE_FROM,
+    MIN_SAMPLES,
     CostMoments,
     ExpertCostModel,
     lower_bound_step_us,
@@ -329,6 +331,24 @@ def test_a_refused_window_is_priced_again_only_when_something_changed():
         assert gate.decisions[-1]["reason"] != unpriced
 
 
+def test_the_history_ages_at_each_close_only_once_it_holds_enough_calls_to_fit():
+    """Ageing a short history every window kept it below what fits (a small eager engine timed
+    a few calls a window): it grows until it can fit, then halves at each close."""
+    moments = CostMoments()
+    closes = 0
+    while ExpertCostModel.fit(moments.values) is None:
+        moments.add(*_calls(READS, 6, seed=closes))  # 6 calls a window
+        moments.age_()
+        closes += 1
+        assert closes < 100, "a history of 6 calls a window never fitted"
+    assert moments.count >= MIN_SAMPLES
+    for seed in range(100):
+        moments.add(*_calls(READS, 6, seed=seed))
+        moments.age_()
+    # Ageing bounds the history: old calls weigh less as new ones come.
+    assert MIN_SAMPLES <= moments.count < AGE_FROM
+
+
 def test_serving_feedback_rolls_epochs_and_measures_in_flight_cost():
     stats = torch.zeros(2, 3, dtype=torch.int64)
     feedback = ServingFeedback(stats)
@@ -348,11 +368,12 @@ def test_serving_feedback_rolls_epochs_and_measures_in_flight_cost():
     assert feedback.movement_steps_all == 3
     feedback.step(step_us=900, tokens=4, decode=True, in_flight=False, version=2)
     feedback.step(step_us=1, tokens=400, decode=False, in_flight=False, version=2)  # prefill
+    calls = feedback.moments.count
     parsed = WindowFeedback.parse(feedback.take(recorded_steps=6))
     assert parsed.epoch_index == 1
     assert (parsed.previous.steps, parsed.previous.mean_step_us) == (4, 1000)
     assert (parsed.current.steps, parsed.current.mean_step_us) == (1, 900)
-    assert int(feedback.moments.values[0]) == 4  # aged at the close
+    assert feedback.moments.count == calls  # too few calls to age at the close
     assert parsed.movement_cost_us == pytest.approx(3 * 4000)
 
 

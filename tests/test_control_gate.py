@@ -196,6 +196,35 @@ def test_a_window_the_traffic_shifted_in_is_planned_on_its_newer_half():
     assert steady["shifted"] is False and len(gate._calibrations.entries) > calibrated
 
 
+def test_a_small_window_differing_between_halves_by_chance_is_not_a_shift():
+    """Four steps of a few sequences: the same traffic's halves differ by more than the
+    similar-load distance by chance alone. Reading that as a shift left every window of a small
+    engine unmeasured; a real shift of the same size is still one."""
+    from eplb_graph.control.evidence import _after_a_shift
+
+    generator = torch.Generator().manual_seed(0)
+    shares = torch.tensor([4.0, 3, 2, 1, 1, 1, 1, 1]) / 14
+
+    def buckets(weights: torch.Tensor, rows: int) -> torch.Tensor:
+        picks = torch.multinomial(weights.expand(4 * 2, -1), rows, replacement=True,
+                                  generator=generator)  # fmt: skip
+        counts = torch.zeros(4 * 2, 8).scatter_add_(
+            1, picks, torch.ones_like(picks, dtype=torch.float)
+        )
+        return counts.view(4, 2, 8)  # [T, L, N]
+
+    windows = [buckets(shares, 16) for _ in range(50)]
+    distances = [
+        load_distance(load_shares(w[:2].sum(0)), load_shares(w[2:].sum(0))) for w in windows
+    ]
+    # The case is real: chance alone puts most such halves beyond the similar-load distance.
+    assert sum(d > SIMILAR_LOAD for d in distances) >= 25, distances
+    shifts = sum(_after_a_shift(w) is not None for w in windows)
+    assert shifts <= 2, "chance differences between the halves were read as shifts"
+    moved = torch.cat([buckets(shares, 400)[:2], buckets(shares.flip(0), 400)[2:]])
+    assert _after_a_shift(moved) is not None
+
+
 def test_slower_than_the_start_under_a_new_load_goes_back_even_when_going_back_does_not_repay():
     """Planned for code, then both domains at once: the default layout is even there, the code
     plan is not. Going back moves copies that one interval cannot repay; it goes back anyway."""

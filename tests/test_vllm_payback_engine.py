@@ -81,7 +81,8 @@ def test_every_rank_calibrated_its_own_kernel_before_the_first_window(runs):
     log = (runs["root"] / "gate.log").read_text()
     for rank in (0, 1):
         assert f"eplb-graph cost calibration on EP rank {rank}: 9 kernel calls" in log
-    first_window = log.index("eplb-graph rearrangement 1 ")
+    # Each window's decision is logged (kept windows rate-limited, the first always).
+    first_window = log.index("EPLB step ")
     assert log.index("eplb-graph cost calibration on EP rank 0") < first_window
 
 

@@ -51,12 +51,18 @@ slots, t µs of one call)."""
 MIN_SAMPLES = 32
 """Fewer calls than this fit nothing: a model from a handful of calls would decide moves."""
 
+AGE_FROM = 4 * MIN_SAMPLES
+"""The history ages only while it holds at least this many calls. Ageing a short history at
+every window close kept it below :data:`MIN_SAMPLES` for good where few calls are timed per
+window (a small eager engine, short windows, most steps moving weights): the model never fitted
+and the gate never decided anything."""
+
 
 class CostMoments:
     """Running integer sums of one op's calls, ready to be summed across ranks.
 
     ``add`` takes arrays of calls and ``add_call`` one call (the serving thread's per-step path:
-    Python integers, no tensor work); ``halve_`` ages the history at a window close, so the fit
+    Python integers, no tensor work); ``age_`` ages the history at a window close, so the fit
     follows a machine whose speed changes while every rank still sums the same kind of number.
     """
 
@@ -101,9 +107,16 @@ class CostMoments:
         sums[8] += a * t
         sums[9] += t * t
 
-    def halve_(self) -> None:
-        """Age the history: every sum halves (older calls weigh half as much after each close)."""
-        self._sums = [v // 2 for v in self._sums]
+    @property
+    def count(self) -> int:
+        """Calls in the history (weighted by their age)."""
+        return self._sums[0]
+
+    def age_(self) -> None:
+        """Age the history: every sum halves (older calls weigh half as much after each close),
+        once it holds :data:`AGE_FROM` calls; a shorter one keeps growing until it can fit."""
+        if self._sums[0] >= AGE_FROM:
+            self._sums = [v // 2 for v in self._sums]
 
 
 @dataclass(frozen=True)

@@ -103,16 +103,38 @@ def read_window(
 
 def _after_a_shift(logical: torch.Tensor) -> torch.Tensor | None:
     """The newer half of the window's time buckets when the load's expert shares in it are
-    more than :data:`~eplb_graph.control.calibration.SIMILAR_LOAD` away from the older half's
-    (the traffic shifted within the window), else ``None``."""
+    more than :data:`~eplb_graph.control.calibration.SIMILAR_LOAD` away from the older half's,
+    and further than sampling alone would put them (the traffic shifted within the window),
+    else ``None``."""
     count = logical.shape[0]
     if count < 4:
         return None
-    older, newer = logical[: count // 2], logical[count // 2 :]
+    older, newer = logical[: count // 2].sum(dim=0), logical[count // 2 :].sum(dim=0)
     if float(older.sum()) <= 0 or float(newer.sum()) <= 0:
         return None
-    distance = load_distance(load_shares(older.sum(dim=0)), load_shares(newer.sum(dim=0)))
-    return newer if distance > SIMILAR_LOAD else None
+    distance = load_distance(load_shares(older), load_shares(newer))
+    if distance <= max(SIMILAR_LOAD, SHIFT_NOISE_MARGIN * _sampling_distance(older, newer)):
+        return None
+    return logical[count // 2 :]
+
+
+SHIFT_NOISE_MARGIN = 2.0
+"""A shift is a distance at least twice what sampling the same traffic twice gives: a window of a
+few small steps (a handful of rows per expert) differs that much between its halves by chance,
+and reading it as a shift left every such window unmeasured."""
+
+
+def _sampling_distance(older: torch.Tensor, newer: torch.Tensor) -> float:
+    """The expected total-variation distance between the two halves' shares (``[L, N]`` rows
+    each) if both drew their rows from the same shares (their pooled ones), averaged over
+    layers: each share's difference is about normal, ``E|d| = sqrt(2 / pi) * sigma``."""
+    older, newer = older.to(torch.float64), newer.to(torch.float64)
+    rows_older = older.sum(dim=1, keepdim=True).clamp(min=1.0)
+    rows_newer = newer.sum(dim=1, keepdim=True).clamp(min=1.0)
+    pooled = load_shares(older + newer)
+    variance = pooled * (1.0 - pooled) * (1.0 / rows_older + 1.0 / rows_newer)
+    expected = 0.5 * math.sqrt(2.0 / math.pi) * variance.sqrt().sum(dim=1)
+    return float(expected.mean())
 
 
 @dataclass(frozen=True)

@@ -293,6 +293,16 @@ class ServingFeedback:
             self._current[2] += tokens
             self._current[3] += (step_us // 10) ** 2
 
+    @property
+    def movement_cost_us(self) -> float | None:
+        """What moving weights has cost this rank's serving so far (µs), priced as the window
+        reduction prices it (:attr:`WindowFeedback.movement_cost_us`); ``None`` before any
+        moving step was priced."""
+        if not self.movement_steps:
+            return None
+        every = max(self.movement_steps_all, self.movement_steps)
+        return self.movement_extra_us * every / self.movement_steps
+
     def moved_inline(self, micros: int) -> None:
         """A synchronous rearrangement ran inside a step and took ``micros`` µs."""
         self.movement_extra_us += max(0, micros)
@@ -334,7 +344,7 @@ class ServingFeedback:
             + per_rank,
             dtype=torch.int64,
         )
-        self.moments.halve_()
+        self.moments.age_()
         self._window_steps = 0
         self._window_us = [0] * len(self._window_us)
         self._window_version, self._window_mixed = None, False

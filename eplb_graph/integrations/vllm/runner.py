@@ -261,6 +261,7 @@ class VllmEplbAdapter:
             "plans_recorded": stats.plans_recorded,
             "layers_committed": stats.layers_committed,
             "bytes_received": stats.bytes_received,
+            "movement_cost_ms": stats.movement_cost_ms,
             "balancedness": stats.last_window_balancedness,
             "hotness": stats.last_hotness,
             "placement_version": stats.placement_version,
