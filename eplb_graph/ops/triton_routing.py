@@ -3,7 +3,7 @@
 Why: the ATen reference is the oracle, and on a GPU it is some thirty small kernels (hash,
 clamps, gathers, fallbacks, the scatter): 690 us per eager call and 57 us per call inside a
 captured graph on an H200, against 12 us and 4 us for a bare ``index_select`` (the first run of
-``tools/device_check.py``, docs/benchmarks.md). Here every (token, k) element is one lane: it
+``tools/device_check.py``, docs/benchmarks-log.md). Here every (token, k) element is one lane: it
 hashes its row, reads its expert's count and table entry, applies the reference's fallbacks,
 writes its slot and, when counted, adds one to the load with an atomic. The rules are the
 reference's (``eplb_graph/ops/reference.py``), element by element:

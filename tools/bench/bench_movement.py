@@ -52,7 +52,7 @@ Four measurements (issue 4, acceptance bullet on ``bench_movement``):
    same views and a ``GroupRing(size=4)`` rearranges to the shifted placement and back, several
    times, stepping with a 5 ms sleep as the forward and a commit margin of 40 steps (200 ms, the
    library default of 8 steps at 25 ms per decode step). An aborted attempt (e.g. a vetoed
-   fence) is counted and retried. ``CommitScheduler.stats.commit_seconds`` (``install_layer_`` +
+   fence) is counted and retried. ``LayerInstaller.stats.commit_seconds`` (``install_layer_`` +
    ``commit_prepared_`` + release, main thread) is reported per layer, and every slot is checked
    against the committed placement at the end.
 

@@ -158,7 +158,7 @@ def churn_aware_policy(
         replica_hedge: replica counts hedge as if the drift variance were this many times
             larger (step 2), since they decide which single replica can turn a rank hot; 1
             hedges them like the load, 0 not at all (the default 3 measured best,
-            ``docs/benchmarks.md``).
+            ``docs/benchmarks-log.md``, the drift hedge).
 
     Returns:
         ``phy2log [L, P]`` int64.
