@@ -226,8 +226,24 @@ DRIFT_GOALS = {
 }
 
 
+def within_aa(run: dict, phase: str, segment: str) -> bool | None:
+    """Whether on against off lies within the A/A control's 95% interval or above it (the pairs'
+    geometric mean of on / off at least the low end of off_again / off's interval), ``None``
+    without an A/A engine. Why: two identical never-moving engines differ by up to 20% over a
+    phase on this shared machine; an on / off ratio that two identical engines also show is
+    not EPLB's doing."""
+    figures = (run["phases"].get(phase) or {}).get(segment)
+    if figures is None or "off_again" not in figures:
+        return None
+    on, control = figures["on"]["pairs"], figures["off_again"]["pairs"]
+    if on.get("geomean") is None or control.get("low") is None:
+        return None
+    return on["geomean"] >= control["low"]
+
+
 def verdict(runs: list[dict]) -> dict:
-    """The goals, judged on the worst of the repeated runs."""
+    """The goals, judged on the worst of the repeated runs; an even phase (mixed, uniform) also
+    passes where every run's on / off lies within the A/A interval (the issue's goal)."""
 
     def worst(values):
         values = [v for v in values if v is not None]
@@ -240,6 +256,8 @@ def verdict(runs: list[dict]) -> dict:
     skewed = [speed(r, p, "adapted") for r in runs for p in ("code", "chat")]
     first = [speed(r, p, "first") for r in runs for p in ("chat", "mixed", "uniform")]
     even = [speed(r, p, "all") for r in runs for p in ("mixed", "uniform")]
+    even_noise = [within_aa(r, p, "all") for r in runs for p in ("mixed", "uniform")]
+    first_noise = [within_aa(r, p, "first") for r in runs for p in ("chat", "mixed", "uniform")]
     adapt = [r["phases"][p]["windows_to_first_move"] for r in runs for p in ("code", "chat")
              if p in r["phases"]]  # fmt: skip
     repaid = [r["moves_repaid"] / r["moves_measured"] for r in runs if r["moves_measured"]]
@@ -248,6 +266,8 @@ def verdict(runs: list[dict]) -> dict:
         "skewed_adapted_worst": worst(skewed),
         "first_rounds_worst": worst(first),
         "even_worst": worst(even),
+        "even_within_aa": even_noise,
+        "first_rounds_within_aa": first_noise,
         "whole_worst": worst(r["whole"]["on"]["speedup"] for r in runs),
         "windows_to_adapt_worst": max((a for a in adapt if a is not None), default=None),
         "adapt_missing": sum(a is None for a in adapt),
@@ -258,7 +278,8 @@ def verdict(runs: list[dict]) -> dict:
     result["met"] = {
         "skewed_adapted": (result["skewed_adapted_worst"] or 0) >= goals["skewed_adapted_min"],
         "first_rounds": (result["first_rounds_worst"] or 0) >= goals["first_rounds_min"],
-        "even": (result["even_worst"] or 0) >= goals["even_min"],
+        "even": (result["even_worst"] or 0) >= goals["even_min"]
+        or (bool(even_noise) and all(ok is True for ok in even_noise)),
         "whole": (result["whole_worst"] or 0) >= goals["whole_min"],
         "adapt": result["adapt_missing"] == 0
         and (result["windows_to_adapt_worst"] or 0) <= goals["windows_to_adapt_max"],
