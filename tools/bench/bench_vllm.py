@@ -52,6 +52,8 @@ from timing import run_benchmark, write_report
 PROMPTS = [[(7 * i + 3 * j) % 500 + 3 for j in range(5 + 3 * i)] for i in range(4)]
 OVERHEAD_GOAL = 1.02
 IN_FLIGHT_GOAL = 1.2
+# One engine process serves a whole drift repeat (3 engines x 40 rounds): ~30 min here.
+ENGINE_RUN_TIMEOUT_S = 3 * 3600
 
 
 def engine_main(spec_path: str, out_path: str) -> None:
@@ -111,7 +113,7 @@ def run_engine(root: Path, name: str, spec: dict) -> dict:
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
-            timeout=1800,
+            timeout=ENGINE_RUN_TIMEOUT_S,
         )
     if done.returncode != 0:  # the log lives in a temporary folder: show its end now
         tail = (root / f"{name}.log").read_text(errors="replace").splitlines()[-150:]
@@ -423,14 +425,22 @@ def drift(root: Path, args) -> dict:
             "warmup_calls": 2,
             "seed": repeat,
         }
-        result = run_engine(root, f"drift-{repeat}", spec)
-        if args.json is not None:  # the raw rounds, kept whatever the summary makes of them
-            raw = args.json.with_name(f"{args.json.stem}.run{repeat}.raw.json")
-            raw.write_text(json.dumps(result))
+        raw = None if args.json is None else args.json.with_name(
+            f"{args.json.stem}.run{repeat}.raw.json"
+        )  # fmt: skip
+        if args.resume and raw is not None and raw.exists():  # a repeat an earlier call ran
+            result = json.loads(raw.read_text())
+            print(f"  run {repeat}: reusing {raw}", flush=True)
+        else:
+            result = run_engine(root, f"drift-{repeat}", spec)
+            windows = Path(metrics["on"]) / "windows.jsonl"
+            result["windows_file"] = str(windows)
+            result["replay"] = _replay(windows)
+            if raw is not None:  # the raw rounds, kept whatever the summary makes of them
+                raw.write_text(json.dumps(result))
         run = summarize(result, batch, tokens)
-        windows = Path(metrics["on"]) / "windows.jsonl"
-        run["windows_file"] = str(windows)
-        run["replay"] = _replay(windows)
+        run["windows_file"] = result.get("windows_file")
+        run["replay"] = result.get("replay", {"error": "not recorded"})
         report["runs"].append(run)
         for phase, figures in run["phases"].items():
             first, adapted = figures["first"], figures["adapted"]
@@ -591,6 +601,12 @@ def main() -> None:
     )
     parser.add_argument("--repeat", type=int, default=1, help="--drift: repeated runs (default 1)")
     parser.add_argument("--rounds", type=int, help="--drift: rounds per phase (default 10)")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="--drift: reuse the raw file of a repeat an earlier call wrote next to --json "
+        "(NAME.run<k>.raw.json) instead of running it again",
+    )
     parser.add_argument(
         "--benefit",
         action="store_true",

@@ -290,7 +290,8 @@ def verdict(runs: list[dict]) -> dict:
 
 
 def plot(report: dict, path: Path) -> bool:
-    """Per round, decode throughput on / off of every run, phases shaded, moves marked."""
+    """Per round, decode throughput on / off of every run (dashed: the A/A control), phases
+    shaded, moves marked."""
     plt = pyplot()
     if plt is None:
         return False
@@ -301,6 +302,12 @@ def plot(report: dict, path: Path) -> bool:
         axis.plot(range(1, len(ratios) + 1), ratios, "-o", markersize=3, label=f"run {number}")
         for marker in run["move_rounds"]:
             axis.axvline(marker, color=f"C{number}", alpha=0.3, linewidth=0.8)
+        control = [s["off"] / s["off_again"] for s in run["round_seconds"] if "off_again" in s]
+        if control:  # the A/A control: what two identical engines read, the noise to beat
+            axis.plot(
+                range(1, len(control) + 1), control, "--", color=f"C{number}", alpha=0.45,
+                linewidth=0.9, label=f"run {number}: A/A (off_again / off)",
+            )  # fmt: skip
     for index, phase in enumerate(report["phases"]):
         axis.axvspan(index * rounds + 0.5, (index + 1) * rounds + 0.5, alpha=0.06 * (index % 2))
         axis.text(index * rounds + 1, 0.02, phase, transform=axis.get_xaxis_transform())
