@@ -259,13 +259,15 @@ def test_map_write_and_simulate_follow_one_replica_rule(tmp_path, capsys):
     forces two copies onto one rank, for the same reason."""
     from eplb_graph.map_command import trace_total_load
     from eplb_graph.placement import Placement
-    from eplb_graph.policy.registry import get_policy, normalize_weight
+    from eplb_graph.policy.registry import PolicyProblem, get_policy, normalize_weight
     from eplb_graph.simulate.trace import TraceSpec, generate_trace, save_trace
 
     trace, out = tmp_path / "skewed.npz", tmp_path / "map.json"
     spec = TraceSpec(num_layers=2, num_experts=16, top_k=2, num_steps=200, skew=1.5, seed=1)
     save_trace(generate_trace(spec), trace)
-    raw = get_policy("default")(normalize_weight(trace_total_load(str(trace))), 18, 1, 1, 2, None)
+    raw = get_policy("default")(
+        PolicyProblem(normalize_weight(trace_total_load(str(trace))), 18, 1, 1, 2)
+    )
     assert int(torch.bincount(raw[0]).max()) > 2  # the setup does exercise the rule
     simulate = ["simulate", "--trace", str(trace), "--policy", "default", "--no-progress"]
     simulate += ["--window-size", "50", "--step-interval", "50"]

@@ -22,7 +22,7 @@ from eplb_graph.policy import (
 from eplb_graph.policy.churn_aware import predict_load, transfer_budget
 from eplb_graph.policy.churn_aware.search import local_search
 from eplb_graph.policy.drift import estimate_drift, hedge_load, shrinkage
-from eplb_graph.policy.registry import normalize_weight
+from eplb_graph.policy.registry import PolicyProblem, normalize_weight
 from eplb_graph.policy.spread import avoidable_duplicates
 
 
@@ -167,7 +167,7 @@ def test_first_placement_is_deepseek_on_the_predicted_load():
     load = zipf_load(3, 16, seed=5)
     expected, _, _ = rebalance_experts(load, 24, 2, 2, 4)
     weight = normalize_weight(load)
-    assert torch.equal(get_policy("churn_aware")(weight, 24, 2, 2, 4, None), expected)
+    assert torch.equal(get_policy("churn_aware")(PolicyProblem(weight, 24, 2, 2, 4)), expected)
     served = rebalance("churn_aware", load, 24, 2, 2, 4, None)
     assert avoidable_duplicates(served.numpy(), 4) == 0
 

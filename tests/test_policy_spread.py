@@ -8,7 +8,12 @@ import torch
 
 from eplb_graph.policy import balancedness, policy_names, rank_load, rebalance
 from eplb_graph.policy.preserve import transfers_needed
-from eplb_graph.policy.registry import _BOUNDED_MOVES, get_policy, normalize_weight
+from eplb_graph.policy.registry import (
+    _BOUNDED_MOVES,
+    PolicyProblem,
+    get_policy,
+    normalize_weight,
+)
 from eplb_graph.policy.spread import avoidable_duplicates, count_duplicates, spread_replicas
 
 
@@ -32,7 +37,9 @@ def test_no_policy_plan_holds_an_avoidable_duplicate(name):
     for load, slots, ranks in _cases(60):
         old = rebalance("random", load, slots, 1, 1, ranks, seed=7)
         for in_force in (None, old):
-            raw = get_policy(name)(normalize_weight(load), slots, 1, 1, ranks, in_force)
+            raw = get_policy(name)(
+                PolicyProblem(normalize_weight(load), slots, 1, 1, ranks, in_force)
+            )
             served = rebalance(name, load, slots, 1, 1, ranks, in_force)
             if name in _BOUNDED_MOVES and in_force is not None:
                 # A budgeted plan never costs more copies than the policy chose; a layer whose
@@ -85,7 +92,7 @@ def test_fewest_moves_changes_two_slots_per_duplicate():
     rng = np.random.default_rng(3)
     for _ in range(30):
         load = torch.from_numpy(rng.lognormal(0.0, 1.5, size=(2, 16)))
-        plan = get_policy("default")(normalize_weight(load), 24, 1, 1, 4, None)
+        plan = get_policy("default")(PolicyProblem(normalize_weight(load), 24, 1, 1, 4))
         removed = count_duplicates(plan.numpy(), 4) - count_duplicates(
             spread_replicas(plan, load, 4, fewest_moves=True).numpy(), 4
         )

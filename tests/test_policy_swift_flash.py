@@ -18,7 +18,7 @@ from eplb_graph.policy import (
     transfers_needed,
 )
 from eplb_graph.policy.flash_lb import lpt_place, risk_weight
-from eplb_graph.policy.registry import normalize_weight
+from eplb_graph.policy.registry import PolicyProblem, normalize_weight
 from eplb_graph.policy.swift_balance import movable_slots, swift_balance_search
 
 
@@ -49,7 +49,9 @@ def assert_valid(phy2log: torch.Tensor, num_logical: int, num_ranks: int) -> Non
 def swift_plan(load, slots, ranks, old, **options) -> torch.Tensor:
     """swift_balance's own plan, before ``rebalance``'s duplicate post-pass (its contract:
     bounded moves from ``old``; the post-pass is pinned in test_policy_spread.py)."""
-    return get_policy("swift_balance")(normalize_weight(load), slots, 1, 1, ranks, old, **options)
+    return get_policy("swift_balance")(
+        PolicyProblem(normalize_weight(load), slots, 1, 1, ranks, old), **options
+    )
 
 
 def peaks(phy2log: torch.Tensor, load: torch.Tensor, num_ranks: int) -> torch.Tensor:

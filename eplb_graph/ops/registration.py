@@ -9,6 +9,8 @@ torch.compile, opcheck, torchair and the native kernels all key on; keep them st
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from eplb_graph.ops.checks import (
@@ -71,72 +73,29 @@ _DEF_LIBRARY.impl("local_experts", local_experts_ref, "CompositeExplicitAutograd
 _DEF_LIBRARY.impl("local_experts_w8a8", local_experts_w8a8_ref, "CompositeExplicitAutograd")
 
 
-@torch.library.register_fake(f"{NAMESPACE}::map_to_physical", lib=_DEF_LIBRARY)
-def _map_to_physical_fake(topk_ids, log2phy, replica_count, offset):
-    check_map_args(topk_ids, log2phy, replica_count, offset)
-    return topk_ids.new_empty(topk_ids.shape)
+def _register_fake(name: str, check: Callable[..., None], checked: int, like: int | None) -> None:
+    """The fake kernel of op ``name``: the checks every kernel runs on its first ``checked``
+    arguments, then an empty output shaped like argument ``like`` (None: the op returns
+    nothing). Written once from the schema's order, so no fake re-spells an op's parameters."""
+
+    def fake(*args):
+        check(*args[:checked])
+        return None if like is None else args[like].new_empty(args[like].shape)
+
+    fake.__name__ = fake.__qualname__ = f"{name}_fake"
+    torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_DEF_LIBRARY)
 
 
-@torch.library.register_fake(f"{NAMESPACE}::record_load", lib=_DEF_LIBRARY)
-def _record_load_fake(load, physical_ids, num_valid_tokens, record_enabled):
-    check_record_args(load, physical_ids, num_valid_tokens, record_enabled)
-
-
-@torch.library.register_fake(f"{NAMESPACE}::map_and_record", lib=_DEF_LIBRARY)
-def _map_and_record_fake(
-    topk_ids, log2phy, replica_count, offset, load, num_valid_tokens, record_enabled
-):
-    check_map_and_record_args(
-        topk_ids, log2phy, replica_count, offset, load, num_valid_tokens, record_enabled
-    )
-    return topk_ids.new_empty(topk_ids.shape)
-
-
-@torch.library.register_fake(f"{NAMESPACE}::local_experts", lib=_DEF_LIBRARY)
-def _local_experts_fake(
-    hidden,
-    slots,
-    topk_weights,
-    slot_to_local,
-    w13,
-    w2,
-    stats,
-    num_valid_tokens,
-    weight_on_input=False,
-):
-    check_local_experts_args(
-        hidden, slots, topk_weights, slot_to_local, w13, w2, stats, num_valid_tokens
-    )
-    return hidden.new_empty(hidden.shape)
-
-
-@torch.library.register_fake(f"{NAMESPACE}::local_experts_w8a8", lib=_DEF_LIBRARY)
-def _local_experts_w8a8_fake(
-    hidden,
-    slots,
-    topk_weights,
-    slot_to_local,
-    w13,
-    w2,
-    w13_scale,
-    w2_scale,
-    stats,
-    num_valid_tokens,
-    weight_on_input=False,
-):
-    check_local_experts_w8a8_args(
-        hidden,
-        slots,
-        topk_weights,
-        slot_to_local,
-        w13,
-        w2,
-        w13_scale,
-        w2_scale,
-        stats,
-        num_valid_tokens,
-    )
-    return hidden.new_empty(hidden.shape)
+# (check, how many leading arguments it checks, the argument the output is shaped like)
+_FAKES = {
+    "map_to_physical": (check_map_args, 4, 0),
+    "record_load": (check_record_args, 4, None),
+    "map_and_record": (check_map_and_record_args, 7, 0),
+    "local_experts": (check_local_experts_args, 8, 0),  # weight_on_input needs no check
+    "local_experts_w8a8": (check_local_experts_w8a8_args, 10, 0),
+}
+for _name, (_check, _checked, _like) in _FAKES.items():
+    _register_fake(_name, _check, _checked, _like)
 
 
 def op_handles() -> dict[str, torch._ops.OpOverload]:

@@ -27,9 +27,16 @@ from eplb_graph.policy.preserve import (
     slots_changed,
     transfers_needed,
 )
-from eplb_graph.policy.registry import get_policy, policy_names, rebalance, register_policy
+from eplb_graph.policy.registry import (
+    PolicyProblem,
+    get_policy,
+    policy_names,
+    rebalance,
+    register_policy,
+)
 
 __all__ = [
+    "PolicyProblem",
     "balancedness",
     "expert_hotness",
     "get_policy",

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from eplb_graph.policy import preserve
-from eplb_graph.policy.registry import register_policy
+from eplb_graph.policy.registry import PolicyProblem, register_policy
 from eplb_graph.tables import check_slots_per_rank
 
 __all__ = [
@@ -351,30 +351,34 @@ def rebalance_experts(
 
 @register_policy("default")
 def default_policy(
-    weight: torch.Tensor,
-    num_replicas: int,
-    num_groups: int,
-    num_nodes: int,
-    num_ranks: int,
-    old_phy2log: torch.Tensor | None,
+    problem: PolicyProblem,
     *,
     keep_slots: bool = True,
 ) -> torch.Tensor:
     """Registered policy ``"default"``: DeepSeek on the window's total load.
 
     Args:
-        weight: ``[S, L, N]`` float64 samples; summed over S (the algorithm ignores time).
-        old_phy2log: ``[L, P]`` current placement or None.
-        keep_slots: when ``old_phy2log`` is given, reorder slots within each rank so experts that
+        problem: the load (summed over samples: the algorithm ignores time) and the shape.
+        keep_slots: when a placement is in force, reorder slots within each rank so experts that
             stay on a rank keep their old slot (:func:`eplb_graph.policy.preserve.preserve_slots`,
             upstream vLLM's behaviour). Balance is unchanged; intra-rank copies are avoided.
 
     Returns:
         ``phy2log [L, P]`` int64.
     """
+    phy2log = deepseek_plan(problem.total_load, problem)
+    if problem.old_phy2log is not None and keep_slots:
+        phy2log = preserve.preserve_slots(problem.old_phy2log, phy2log, problem.num_ranks)
+    return phy2log
+
+
+def deepseek_plan(load: torch.Tensor | np.ndarray, problem: PolicyProblem) -> torch.Tensor:
+    """DeepSeek's ``phy2log`` for an ``[L, N]`` load in the problem's shape."""
     phy2log, _, _ = rebalance_experts(
-        weight.sum(dim=0), num_replicas, num_groups, num_nodes, num_ranks
+        torch.as_tensor(load),
+        problem.num_replicas,
+        problem.num_groups,
+        problem.num_nodes,
+        problem.num_ranks,
     )
-    if old_phy2log is not None and keep_slots:
-        phy2log = preserve.preserve_slots(old_phy2log, phy2log, num_ranks)
     return phy2log

@@ -30,7 +30,7 @@ import torch
 
 from eplb_graph.policy import preserve
 from eplb_graph.policy.deepseek import replicate_experts
-from eplb_graph.policy.registry import register_policy
+from eplb_graph.policy.registry import PolicyProblem, register_policy
 
 __all__ = ["flash_lb_policy", "lpt_place", "risk_weight"]
 
@@ -108,12 +108,7 @@ def lpt_place(
 
 @register_policy("flash_lb")
 def flash_lb_policy(
-    weight: torch.Tensor,
-    num_replicas: int,
-    num_groups: int,
-    num_nodes: int,
-    num_ranks: int,
-    old_phy2log: torch.Tensor | None,
+    problem: PolicyProblem,
     *,
     z: float = 0.674,
     keep_slots: bool = True,
@@ -122,11 +117,8 @@ def flash_lb_policy(
     """Registered policy ``"flash_lb"`` (see the module docstring).
 
     Args:
-        weight: ``[S, L, N]`` float64 load samples of the window (S >= 1).
-        num_replicas: ``P`` slots per layer.
-        num_groups, num_nodes: unused (placement is global over ranks).
-        num_ranks: EP ranks.
-        old_phy2log: ``[L, P]`` installed placement or None.
+        problem: the window's load samples (S >= 1) and the shape; groups and nodes are unused
+            (placement is global over ranks).
         z: standard deviations added to the mean (risk quantile); 0 sizes on the mean alone.
         keep_slots: with an old placement, keep staying experts in their old slots.
         relabel: with an old placement, renumber ranks to keep the most (expert, rank) pairs.
@@ -136,9 +128,9 @@ def flash_lb_policy(
     """
     if z < 0:
         raise ValueError(f"z must be >= 0, got {z}")
-    samples = weight.numpy()
-    mean, std, risk = risk_weight(samples, z)
-    _, _, count = replicate_experts(risk, num_replicas)
+    num_ranks, old_phy2log = problem.num_ranks, problem.old_phy2log
+    mean, std, risk = risk_weight(problem.weight.numpy(), z)
+    _, _, count = replicate_experts(risk, problem.num_replicas)
     phy2log = torch.from_numpy(lpt_place(count, mean, std, num_ranks, z))
     if old_phy2log is not None:
         if relabel:

@@ -8,30 +8,26 @@ from __future__ import annotations
 
 import torch
 
-from eplb_graph.policy.registry import register_policy
+from eplb_graph.policy.registry import PolicyProblem, register_policy
 
 
 @register_policy("random")
 def random_policy(
-    weight: torch.Tensor,
-    num_replicas: int,
-    num_groups: int,
-    num_nodes: int,
-    num_ranks: int,
-    old_phy2log: torch.Tensor | None,
+    problem: PolicyProblem,
     *,
     seed: int = 0,
 ) -> torch.Tensor:
     """Every expert once plus ``P - N`` uniformly random extra copies, shuffled over all slots.
 
     Args:
-        weight: ``[S, L, N]``; only its shape is used.
+        problem: only its shape is used.
         seed: generator seed; the same seed and shape give the same placement.
 
     Returns:
         ``phy2log [L, P]`` int64 in which every expert appears at least once.
     """
-    _, num_layers, num_logical = weight.shape
+    _, num_layers, num_logical = problem.weight.shape
+    num_replicas = problem.num_replicas
     generator = torch.Generator().manual_seed(seed)
     base = torch.arange(num_logical, dtype=torch.int64).expand(num_layers, -1)
     extra = torch.randint(

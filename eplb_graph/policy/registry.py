@@ -4,12 +4,10 @@ A policy maps observed load to a new placement. It is a pure function of tensors
 I/O, no device), so the async worker can run it off the main thread and the simulator can replay
 it on traces. Signature of a registered policy::
 
-    policy(weight, num_replicas, num_groups, num_nodes, num_ranks, old_phy2log, **options)
-        -> phy2log [L, P] int64
+    policy(problem: PolicyProblem, **options) -> phy2log [L, P] int64
 
-- ``weight``: ``[S, L, N]`` float64 load samples of the window (S >= 1 time samples; a policy
-  that ignores time sums over S). :func:`rebalance` normalizes ``[L, N]`` input to ``S = 1``.
-- ``old_phy2log``: ``[L, P]`` int64 current placement, or ``None`` (first placement).
+- ``problem``: the load and the shape, checked once by :func:`rebalance` (:class:`PolicyProblem`),
+  so no policy spells or re-checks the shape arguments.
 - ``options``: policy-specific keyword options; unknown options raise ``TypeError``.
 
 :func:`rebalance` runs two post-passes on every policy's plan: copies of an expert beyond one per
@@ -21,6 +19,7 @@ and every plan of a shape with room for it (``P <= N x ranks``) can be written a
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -32,17 +31,44 @@ from eplb_graph.policy.spread import spread_replicas
 from eplb_graph.tables import check_slots_per_rank
 
 
+@dataclass(frozen=True)
+class PolicyProblem:
+    """What every policy is asked to place: the window's load and the shape to place it in.
+
+    One value instead of six positional arguments, so a policy's signature names only its own
+    options and the shape is validated in one place (:func:`rebalance`).
+
+    Attributes:
+        weight: ``[S, L, N]`` float64 load samples of the window on the CPU (S >= 1 time
+            samples; a policy that ignores time uses :attr:`total_load`).
+        num_replicas: ``P`` physical slots per layer.
+        num_groups, num_nodes: expert groups and nodes (DeepSeek's hierarchical packing; global
+            policies ignore them).
+        num_ranks: EP ranks.
+        old_phy2log: ``[L, P]`` int64 placement in force, or None (first placement).
+    """
+
+    weight: torch.Tensor
+    num_replicas: int
+    num_groups: int
+    num_nodes: int
+    num_ranks: int
+    old_phy2log: torch.Tensor | None = None
+
+    @property
+    def total_load(self) -> torch.Tensor:
+        """``[L, N]`` load summed over the window's samples."""
+        return self.weight.sum(dim=0)
+
+    def first_placement(self) -> PolicyProblem:
+        """The same load with no placement in force (for policies that fall back to DeepSeek)."""
+        return PolicyProblem(
+            self.weight, self.num_replicas, self.num_groups, self.num_nodes, self.num_ranks
+        )
+
+
 class PolicyFunction(Protocol):
-    def __call__(
-        self,
-        weight: torch.Tensor,
-        num_replicas: int,
-        num_groups: int,
-        num_nodes: int,
-        num_ranks: int,
-        old_phy2log: torch.Tensor | None,
-        **options,
-    ) -> torch.Tensor: ...
+    def __call__(self, problem: PolicyProblem, **options) -> torch.Tensor: ...
 
 
 class UnknownPolicyError(EplbError, KeyError):
@@ -130,9 +156,8 @@ def rebalance(
             raise ValueError(
                 f"old_phy2log must be [L, P] = {list(expected)}, got {list(old_phy2log.shape)}"
             )
-    raw = policy(
-        samples, num_replicas, num_groups, num_nodes, num_ranks, old_phy2log, **options
-    ).to(torch.int64)
+    problem = PolicyProblem(samples, num_replicas, num_groups, num_nodes, num_ranks, old_phy2log)
+    raw = policy(problem, **options).to(torch.int64)
     # Whatever the policy: no expert with more copies than ranks when the shape has room
     # (policy/replica_cap.py), and no avoidable second copy of an expert on one rank
     # (policy/spread.py), so every such plan can be written as an expert map.

@@ -41,7 +41,7 @@ import torch
 
 from eplb_graph.policy.deepseek import default_policy
 from eplb_graph.policy.metrics import rank_load_numpy, replica_counts_numpy
-from eplb_graph.policy.registry import register_policy
+from eplb_graph.policy.registry import PolicyProblem, register_policy
 from eplb_graph.policy.slot_tables import SlotTables
 
 __all__ = ["SwiftMoves", "movable_slots", "swift_balance_policy", "swift_balance_search"]
@@ -245,12 +245,7 @@ def swift_balance_search(
 
 @register_policy("swift_balance", bounded_moves=True)
 def swift_balance_policy(
-    weight: torch.Tensor,
-    num_replicas: int,
-    num_groups: int,
-    num_nodes: int,
-    num_ranks: int,
-    old_phy2log: torch.Tensor | None,
+    problem: PolicyProblem,
     *,
     max_swaps: int = 8,
     max_transfers_per_rank_pair: int = 2,
@@ -258,28 +253,25 @@ def swift_balance_policy(
     """Registered policy ``"swift_balance"`` (see the module docstring).
 
     Args:
-        weight: ``[S, L, N]`` float64 load samples; summed over S (time is not used).
-        num_replicas: ``P`` slots per layer.
-        num_groups, num_nodes: used only by the fallback below.
-        num_ranks: EP ranks.
-        old_phy2log: ``[L, P]`` installed placement. Required in spirit: with None there is
-            nothing to move, so this falls back to ``"default"`` (DeepSeek) and logs it.
+        problem: the load (summed over samples: time is not used) and the placement in force.
+            Required in spirit: with none there is nothing to move, so this falls back to
+            ``"default"`` (DeepSeek) and logs it.
         max_swaps: moves (swaps or replacements) per layer at most.
         max_transfers_per_rank_pair: expert copies per ordered (source, destination) rank pair.
 
     Returns:
         ``phy2log [L, P]`` int64.
     """
-    if old_phy2log is None:
+    if problem.old_phy2log is None:
         logger.info("swift_balance: no old placement to adjust; using the default policy")
-        return default_policy(weight, num_replicas, num_groups, num_nodes, num_ranks, None)
+        return default_policy(problem)
     if max_swaps < 0 or max_transfers_per_rank_pair < 0:
         raise ValueError(
             f"max_swaps and max_transfers_per_rank_pair must be >= 0, got {max_swaps} and "
             f"{max_transfers_per_rank_pair}"
         )
-    load = weight.sum(dim=0).numpy()
-    old = old_phy2log.numpy().astype(np.int64, copy=True)
+    load, num_ranks = problem.total_load.numpy(), problem.num_ranks
+    old = problem.old_phy2log.numpy().astype(np.int64, copy=True)
     new = swift_balance_search(load, old, num_ranks, max_swaps, max_transfers_per_rank_pair).phy2log
     old_load = rank_load_numpy(old, load, num_ranks)
     new_load = rank_load_numpy(new, load, num_ranks)

@@ -15,10 +15,15 @@ receives the rows and nanoseconds; without EPLB a scratch row does.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from eplb_graph.integrations.vllm.local_rows import vllm_local_experts
+
+if TYPE_CHECKING:
+    from eplb_graph.integrations.vllm.compat import PatchTarget
 
 _SCRATCH_STATS = torch.zeros(2, dtype=torch.int64)
 """Stats row of experts objects no EplbState owns (expert parallelism without EPLB)."""
@@ -42,65 +47,61 @@ def to_local(
 def install() -> None:
     from eplb_graph.integrations.vllm.compat import CPU_EXPERTS_APPLY
 
-    owner, name, apply = CPU_EXPERTS_APPLY.owner_and_value()
+    wrap_apply(CPU_EXPERTS_APPLY, _unquantized_local_rows)
+
+
+def _unquantized_local_rows(call: dict[str, Any]) -> bool:
+    """vLLM's unquantized CPU kernel on this rank's rows (zentorch: the former local ids)."""
+    experts, expert_map = call["self"], call["expert_map"]
+    if expert_map is None:
+        return False
+    if getattr(experts, "_use_zentorch", False):
+        call["topk_ids"], call["topk_weights"] = to_local(
+            call["topk_ids"], call["topk_weights"], expert_map
+        )
+        return False
+    stats = getattr(experts, "eplb_stats", None)
+    call["output"].copy_(
+        vllm_local_experts(
+            call["hidden_states"],
+            call["topk_ids"],
+            call["topk_weights"],
+            expert_map,
+            [call["w1"], call["w2"], experts.w1_bias, experts.w2_bias],
+            _SCRATCH_STATS if stats is None else stats,
+            "cpu_fused_moe",
+            call["activation"].value,
+            experts.isa,
+            call["apply_router_weight_on_input"],
+        )
+    )
+    return True
+
+
+def wrap_apply(target: PatchTarget, on_local_rows: Callable[[dict[str, Any]], bool]) -> None:
+    """Wrap an experts class's ``apply`` (``target``) so ``on_local_rows`` sees each call first.
+
+    ``on_local_rows(call)`` gets the call's arguments by name (the names ``target.parameters``
+    spells once, checked against vLLM by ``compat``) and returns True when it wrote ``output``
+    itself, or False to let vLLM's ``apply`` run on the arguments, which it may have edited.
+    Installing twice wraps once.
+    """
+    owner, name, apply = target.owner_and_value()
     if getattr(apply, "__wrapped__", None) is not None:
         return
+    parameters, expected = target.parameters, frozenset(target.parameters)
 
     @functools.wraps(apply)
-    def apply_on_local_rows(
-        self,
-        output,
-        hidden_states,
-        w1,
-        w2,
-        topk_weights,
-        topk_ids,
-        activation,
-        global_num_experts,
-        expert_map,
-        a1q_scale,
-        a2_scale,
-        workspace13,
-        workspace2,
-        expert_tokens_meta,
-        apply_router_weight_on_input,
-    ):
-        if expert_map is not None and not getattr(self, "_use_zentorch", False):
-            stats = getattr(self, "eplb_stats", None)
-            output.copy_(
-                vllm_local_experts(
-                    hidden_states,
-                    topk_ids,
-                    topk_weights,
-                    expert_map,
-                    [w1, w2, self.w1_bias, self.w2_bias],
-                    _SCRATCH_STATS if stats is None else stats,
-                    "cpu_fused_moe",
-                    activation.value,
-                    self.isa,
-                    apply_router_weight_on_input,
-                )
+    def apply_on_local_rows(*args: Any, **kwargs: Any) -> Any:
+        call = dict(zip(parameters, args, strict=False))
+        call.update(kwargs)
+        if len(args) + len(kwargs) != len(call) or call.keys() != expected:
+            raise TypeError(
+                f"{target.name} takes {list(parameters)}, got {len(args)} positional and "
+                f"{sorted(kwargs)} keyword arguments"
             )
+        if on_local_rows(call):
             return None
-        if expert_map is not None:
-            topk_ids, topk_weights = to_local(topk_ids, topk_weights, expert_map)
-        return apply(
-            self,
-            output,
-            hidden_states,
-            w1,
-            w2,
-            topk_weights,
-            topk_ids,
-            activation,
-            global_num_experts,
-            expert_map,
-            a1q_scale,
-            a2_scale,
-            workspace13,
-            workspace2,
-            expert_tokens_meta,
-            apply_router_weight_on_input,
-        )
+        return apply(**call)
 
     setattr(owner, name, apply_on_local_rows)

@@ -152,46 +152,35 @@ def install() -> None:
 
 
 def _install_apply(experts: QuantizedExperts) -> None:
-    owner, name, apply = experts.apply.owner_and_value()
-    if getattr(apply, "__wrapped__", None) is not None:
-        return
-    from eplb_graph.integrations.vllm.expert_parallel import _SCRATCH_STATS
+    from eplb_graph.integrations.vllm.expert_parallel import _SCRATCH_STATS, wrap_apply
 
     attributes = [attribute for _, attribute, _ in experts.tensors]
 
-    @functools.wraps(apply)
-    def apply_on_local_rows(
-        self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
-        global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
-        expert_tokens_meta, apply_router_weight_on_input,
-    ):  # fmt: skip
-        if expert_map is None or apply_router_weight_on_input:  # vLLM's path (or its refusal)
-            return apply(
-                self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
-                global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
-                expert_tokens_meta, apply_router_weight_on_input,
-            )  # fmt: skip
-        reason = _problem_once(experts, self)
+    def on_local_rows(call: dict) -> bool:
+        if call["expert_map"] is None or call["apply_router_weight_on_input"]:
+            return False  # vLLM's path (or its refusal)
+        kernel = call["self"]
+        reason = _problem_once(experts, kernel)
         if reason is not None:
             raise QuantizedLayerError(reason)
-        stats = getattr(self, "eplb_stats", None)
-        output.copy_(
+        stats = getattr(kernel, "eplb_stats", None)
+        call["output"].copy_(
             vllm_local_experts(
-                hidden_states,
-                topk_ids,
-                topk_weights,
-                expert_map,
-                [w1, w2, *(getattr(self, attribute) for attribute in attributes)],
+                call["hidden_states"],
+                call["topk_ids"],
+                call["topk_weights"],
+                call["expert_map"],
+                [call["w1"], call["w2"], *(getattr(kernel, name) for name in attributes)],
                 _SCRATCH_STATS if stats is None else stats,
                 experts.kernel,
-                activation.value,
+                call["activation"].value,
                 "",
                 False,
             )
         )
-        return None
+        return True
 
-    setattr(owner, name, apply_on_local_rows)
+    wrap_apply(experts.apply, on_local_rows)
 
 
 def _problem_once(experts: QuantizedExperts, kernel) -> str | None:

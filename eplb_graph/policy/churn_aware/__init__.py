@@ -41,10 +41,10 @@ import numpy as np
 import torch
 
 from eplb_graph.policy.churn_aware.search import local_search
-from eplb_graph.policy.deepseek import rebalance_experts, replicate_experts
+from eplb_graph.policy.deepseek import deepseek_plan, replicate_experts
 from eplb_graph.policy.drift import estimate_drift, hedge_load, shrinkage
 from eplb_graph.policy.metrics import rank_load_numpy, replica_counts_numpy
-from eplb_graph.policy.registry import normalize_weight, register_policy
+from eplb_graph.policy.registry import PolicyProblem, normalize_weight, register_policy
 
 __all__ = ["churn_aware_policy", "predict_load", "transfer_budget"]
 
@@ -107,12 +107,7 @@ def _mean_and_peak(
 
 @register_policy("churn_aware", bounded_moves=True)
 def churn_aware_policy(
-    weight: torch.Tensor,
-    num_replicas: int,
-    num_groups: int,
-    num_nodes: int,
-    num_ranks: int,
-    old_phy2log: torch.Tensor | None,
+    problem: PolicyProblem,
     *,
     max_transfer_fraction: float = 0.15,
     max_bytes: int | None = None,
@@ -130,12 +125,9 @@ def churn_aware_policy(
     """Registered policy ``"churn_aware"`` (see the module docstring).
 
     Args:
-        weight: ``[S, L, N]`` float64 load samples of the window, oldest first.
-        num_replicas: ``P`` slots per layer.
-        num_groups, num_nodes: used only for the first placement (DeepSeek, see below).
-        num_ranks: EP ranks.
-        old_phy2log: ``[L, P]`` installed placement. None (first placement): DeepSeek's
-            ``rebalance_experts`` on the predicted load, since there is nothing to keep.
+        problem: the window's load samples (oldest first) and the placement in force. With no
+            placement in force (first placement): DeepSeek's ``rebalance_experts`` on the
+            predicted load, since there is nothing to keep (groups and nodes are used only then).
         max_transfer_fraction: at most ``floor(fraction * P)`` (expert, rank) transfers per layer.
             The default 0.15 is the migration target's ceiling, and under drift it keeps the next
             window's balance ahead of a fresh DeepSeek plan where 0.10 falls behind on one shape
@@ -167,6 +159,7 @@ def churn_aware_policy(
         raise ValueError(f"replica_hedge must be >= 0, got {replica_hedge}")
     if drift_sigma is not None and not drift_sigma >= 0:
         raise ValueError(f"drift_sigma must be >= 0 or None, got {drift_sigma}")
+    weight, num_replicas, num_ranks = problem.weight, problem.num_replicas, problem.num_ranks
     observed = predict_load(weight, recency_decay)
     if drift_sigma is None:
         drift_sigma = (
@@ -176,12 +169,9 @@ def churn_aware_policy(
         )
     load = hedge_load(observed, shrinkage(observed, drift_sigma))
     replica_load = hedge_load(observed, shrinkage(observed, drift_sigma * replica_hedge**0.5))
-    if old_phy2log is None:
-        phy2log, _, _ = rebalance_experts(
-            torch.from_numpy(load), num_replicas, num_groups, num_nodes, num_ranks
-        )
-        return phy2log
-    old = old_phy2log.numpy().astype(np.int64, copy=True)
+    if problem.old_phy2log is None:
+        return deepseek_plan(load, problem)
+    old = problem.old_phy2log.numpy().astype(np.int64, copy=True)
     num_layers, num_logical = load.shape
     if (replica_counts_numpy(old, num_logical) == 0).any():
         raise ValueError("old_phy2log must hold every logical expert in every layer")
