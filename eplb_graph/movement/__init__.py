@@ -22,46 +22,8 @@ their modules (``eplb_graph`` exports what a model runner needs).
 
 from __future__ import annotations
 
+from eplb_graph.movement import views
 from eplb_graph.movement.planner import TransferPlan, TransferPlanError, plan_transfer
-from eplb_graph.movement.views import (
-    ExpertWeightView,
-    InternalLayoutView,
-    PackedSlotView,
-    PayloadSection,
-    SlotField,
-    StridedPackedView,
-    UnquantizedView,
-    UnsupportedWeightFormat,
-    W4A8View,
-    W8A8View,
-    WeightViewError,
-    from_nd,
-    make_expert_view,
-    nd_as_nz,
-    register_weight_format,
-    supported_formats,
-    to_nd,
-)
+from eplb_graph.movement.views import *  # noqa: F403  (the weight-view API, listed once there)
 
-__all__ = [
-    "ExpertWeightView",
-    "InternalLayoutView",
-    "PackedSlotView",
-    "PayloadSection",
-    "SlotField",
-    "StridedPackedView",
-    "TransferPlan",
-    "TransferPlanError",
-    "UnquantizedView",
-    "UnsupportedWeightFormat",
-    "W4A8View",
-    "W8A8View",
-    "WeightViewError",
-    "from_nd",
-    "make_expert_view",
-    "nd_as_nz",
-    "plan_transfer",
-    "register_weight_format",
-    "supported_formats",
-    "to_nd",
-]
+__all__ = ["TransferPlan", "TransferPlanError", "plan_transfer", *views.__all__]
