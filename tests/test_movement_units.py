@@ -141,14 +141,12 @@ def test_planner_hands_the_previous_window_to_policies_that_take_it(monkeypatch)
     for windows it only observes (a rank that reduced a window but did not plan it)."""
     seen = []
 
-    def with_history(
-        weight, num_replicas, num_groups, num_nodes, num_ranks, old, *, previous_weight=None
-    ):
+    def with_history(problem, *, previous_weight=None):
         seen.append(None if previous_weight is None else previous_weight.clone())
-        return old
+        return problem.old_phy2log
 
-    def without_history(weight, num_replicas, num_groups, num_nodes, num_ranks, old):
-        return old
+    def without_history(problem):
+        return problem.old_phy2log
 
     monkeypatch.setitem(registry._POLICIES, "test_history", with_history)
     monkeypatch.setitem(registry._POLICIES, "test_no_history", without_history)

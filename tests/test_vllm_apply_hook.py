@@ -8,6 +8,8 @@ and wrap once however often the plugin installs.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 
 from eplb_graph.integrations.vllm.compat import PatchTarget
@@ -17,7 +19,7 @@ PARAMETERS = ("self", "output", "expert_map", "topk_ids")
 
 
 class FakeExperts:
-    calls: list[dict] = []
+    calls: ClassVar[list[dict]] = []
 
     def apply(self, output, expert_map, topk_ids):
         FakeExperts.calls.append({"output": output, "expert_map": expert_map, "ids": topk_ids})
@@ -75,7 +77,7 @@ def test_a_call_the_hook_declines_reaches_vllms_apply_with_its_edits(experts):
 def test_a_call_that_does_not_match_the_checked_parameters_is_refused(experts, args, kwargs):
     seen: list[dict] = []
     _install(seen)
-    with pytest.raises(TypeError, match="FakeExperts.apply takes"):
+    with pytest.raises(TypeError, match=r"FakeExperts\.apply takes"):
         experts.apply(*args, **kwargs)
     assert seen == [] and FakeExperts.calls == []
 

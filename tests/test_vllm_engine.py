@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from tests.ipc_tmpdir import ipc_safe_tmpdir
+from tests.vllm_model_info import share_model_info
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed: pip install -e '.[vllm]'")
 
@@ -58,6 +59,7 @@ def engine_environment(root: Path, tensor_parallel_size: int) -> dict[str, str]:
     ):
         (root / folder).mkdir(parents=True, exist_ok=True)
         env[name] = str(root / folder)
+    share_model_info(root / "vllm")
     env["TMPDIR"] = str(ipc_safe_tmpdir(root / "tmp"))
     env.update(HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_PLUGINS="eplb_graph")
     env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tensor_parallel_size))
@@ -72,46 +74,70 @@ def docs_block(language: str, heading: str) -> str:
     return re.search(rf"```{language}\n(.*?)```", section, re.S).group(1)
 
 
-def run_engine(root: Path, name: str, model: Path, llm: dict | None, snippet: str = "") -> dict:
-    """Start one engine in a fresh process, generate, and return what it wrote."""
-    spec: dict = {"model": str(model), "prompts": PROMPTS}
-    if snippet:
-        spec.update(snippet=snippet, metrics=str(root / f"metrics-{name}"))
-    else:
-        spec.update(
-            llm={
-                "skip_tokenizer_init": True,
-                "dtype": "float32",
-                "max_model_len": 128,
-                "max_num_seqs": 4,
-                "max_num_batched_tokens": 128,
-                "seed": 0,
-                **(llm or {}),
-            },
-            max_tokens=MAX_TOKENS,
-            rounds=ROUNDS,
-        )
-    spec_path, out_path, log_path = (root / f"{name}.{ext}" for ext in ("spec", "out", "log"))
+def engine_spec(name: str, model: Path, llm: dict) -> dict:
+    """One engine of a scenario: this module's defaults, then ``llm``; threads bound per rank."""
+    llm = {
+        "skip_tokenizer_init": True,
+        "dtype": "float32",
+        "max_model_len": 128,
+        "max_num_seqs": 4,
+        "max_num_batched_tokens": 128,
+        "seed": 0,
+        **llm,
+    }
+    ranks = llm.get("tensor_parallel_size", 1)
+    return {
+        "name": name,
+        "model": str(model),
+        "prompts": PROMPTS,
+        "llm": llm,
+        "max_tokens": MAX_TOKENS,
+        "rounds": ROUNDS,
+        "env": {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i) for i in range(ranks))},
+    }
+
+
+def run_scenario(root: Path, label: str, spec: dict, engines: int = 1) -> dict:
+    """``tests/vllm_scenario.py`` on ``spec`` in a fresh process; what it wrote."""
+    spec_path, out_path, log_path = (root / f"{label}.{ext}" for ext in ("spec", "out", "log"))
     spec_path.write_text(json.dumps(spec))
-    env = engine_environment(root / "cache", 2 if snippet else llm.get("tensor_parallel_size", 1))
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             [sys.executable, str(SCENARIO), str(spec_path), str(out_path)],
-            env=env,
+            env=engine_environment(root / "cache", 2),
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
         try:
-            returncode = process.wait(ENGINE_TIMEOUT_S)
+            returncode = process.wait(ENGINE_TIMEOUT_S * engines)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
             returncode = None
     if returncode != 0 or not out_path.exists():
         tail = log_path.read_text()[-4000:]
-        raise AssertionError(f"engine {name!r} failed (exit {returncode}):\n{tail}")
+        raise AssertionError(f"engines {label!r} failed (exit {returncode}):\n{tail}")
     return json.loads(out_path.read_text())
+
+
+def run_engines(root: Path, label: str, engines: list[dict]) -> dict:
+    """Every engine of ``engines`` one after another in one fresh process (one vLLM import and
+    one start for all): name -> result; an engine that raised fails here, with the log."""
+    results = run_scenario(root, label, {"engines": engines}, len(engines))
+    failed = {name: result["error"] for name, result in results.items() if "error" in result}
+    if failed:
+        tail = (root / f"{label}.log").read_text()[-4000:]
+        raise AssertionError(f"engines failed: {failed}\n{tail}")
+    return results
+
+
+def run_engine(root: Path, name: str, model: Path, llm: dict | None, snippet: str = "") -> dict:
+    """Start one engine in a fresh process, generate, and return what it wrote."""
+    if snippet:
+        spec = {"model": str(model), "prompts": PROMPTS, "snippet": snippet}
+        return run_scenario(root, name, {**spec, "metrics": str(root / f"metrics-{name}")})
+    return run_scenario(root, name, engine_spec(name, model, llm or {}))
 
 
 def metrics(directory: Path) -> list[dict]:
@@ -130,34 +156,41 @@ def engines(tmp_path_factory):
     expert_parallel = {"tensor_parallel_size": 2, "enable_expert_parallel": True}
     cache: dict[str, dict] = {}
 
+    def llm_of(name: str) -> dict:
+        # Every plan applied: this tiny model never repays a move (rearrange="when_it_pays").
+        section = {"metrics_path": str(root / f"metrics-{name}"), "rearrange": "always"}
+        if name == "tp1":
+            return {"enforce_eager": True, "tensor_parallel_size": 1}
+        if name == "fixed":
+            section["record_map_path"] = str(root / "recorded-map.json")
+        else:
+            assert name == "sync_eager", name
+        return {
+            **expert_parallel,
+            "enforce_eager": True,
+            "enable_eplb": True,
+            "eplb_config": {**EPLB, "use_async": name != "sync_eager"},
+            "additional_config": {"eplb_graph": section},
+        }
+
     def start(name: str) -> dict:
         if name in cache:
             return cache[name]
         if name == "async_compiled":  # the docs' offline example, as written
-            result = run_engine(root, name, model, None, docs_block("python", "## Offline"))
-            result["metrics"] = metrics(root / f"metrics-{name}")
+            results = {
+                name: run_engine(root, name, model, None, docs_block("python", "## Offline"))
+            }
+        else:  # the other engines in one process, the first time any of them is asked for
+            specs = [engine_spec(n, model, llm_of(n)) for n in ("tp1", "fixed", "sync_eager")]
+            results = run_engines(
+                root, "engines", [spec for spec in specs if spec["name"] not in cache]
+            )
+        for started, result in results.items():
+            if started != "tp1":
+                result["metrics"] = metrics(root / f"metrics-{started}")
             result["root"] = root
-            cache[name] = result
-            return result
-        # Every plan applied: this tiny model never repays a move (rearrange="when_it_pays").
-        section = {"metrics_path": str(root / f"metrics-{name}"), "rearrange": "always"}
-        if name == "tp1":
-            llm = {"enforce_eager": True, "tensor_parallel_size": 1}
-        elif name == "fixed":
-            section["record_map_path"] = str(root / "recorded-map.json")
-            llm = {**expert_parallel, "enforce_eager": True, "enable_eplb": True}
-        else:
-            assert name == "sync_eager"
-            llm = {**expert_parallel, "enforce_eager": True, "enable_eplb": True}
-        if llm.get("enable_eplb"):
-            llm["eplb_config"] = {**EPLB, "use_async": name != "sync_eager"}
-            llm["additional_config"] = {"eplb_graph": section}
-        result = run_engine(root, name, model, llm)
-        if llm.get("enable_eplb"):
-            result["metrics"] = metrics(root / f"metrics-{name}")
-        result["root"] = root
-        cache[name] = result
-        return result
+            cache[started] = result
+        return cache[name]
 
     start.root = root
     start.model = model

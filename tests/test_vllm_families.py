@@ -32,23 +32,8 @@ whose shared expert and grouped top-k under expert parallelism take their own pa
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-from test_vllm_engine import (
-    ENGINE_TIMEOUT_S,
-    EPLB,
-    MAX_TOKENS,
-    PROMPTS,
-    SCENARIO,
-    engine_environment,
-    metrics,
-)
+from test_vllm_engine import EPLB, MAX_TOKENS, PROMPTS, engine_spec, metrics, run_scenario
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed: pip install -e '.[vllm]'")
 
@@ -66,29 +51,6 @@ SAME_LAYOUT_EPLB_OFF = {"deepseek_v3"}
 SAME_LAYOUT = ("tensor_parallel_size", "enable_expert_parallel")
 
 
-def run_engines(root: Path, engines: list[dict]) -> dict:
-    """Every engine of ``engines`` in one fresh process, one after another; name -> result."""
-    spec_path, out_path, log_path = (root / f"families.{ext}" for ext in ("spec", "out", "log"))
-    spec_path.write_text(json.dumps({"engines": engines}))
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            [sys.executable, str(SCENARIO), str(spec_path), str(out_path)],
-            env=engine_environment(root / "cache", 2),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            returncode = process.wait(ENGINE_TIMEOUT_S * len(engines))
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-            returncode = None
-    if returncode != 0 or not out_path.exists():
-        raise AssertionError(f"engines failed (exit {returncode}):\n{log_path.read_text()[-4000:]}")
-    return json.loads(out_path.read_text())
-
-
 @pytest.fixture(scope="module")
 def served(request, tmp_path_factory):
     """One EPLB engine per selected family (one process), started once for the module."""
@@ -101,15 +63,6 @@ def served(request, tmp_path_factory):
         if name not in selected:
             continue
         model = getattr(tiny_families, f"write_tiny_{name}")(root / name)
-        common = {
-            "skip_tokenizer_init": True,
-            "dtype": "float32",
-            "max_model_len": 128,
-            "max_num_seqs": 4,
-            "max_num_batched_tokens": 128,
-            "seed": 0,
-            **options,
-        }
         eplb = {
             "tensor_parallel_size": 2,
             "enable_expert_parallel": True,
@@ -119,21 +72,12 @@ def served(request, tmp_path_factory):
                 "eplb_graph": {"metrics_path": str(root / f"metrics-{name}"), "rearrange": "always"}
             },
         }
-        runs = [(f"{name}-tp1", {}, "0"), (name, eplb, "0|1")]
+        runs = [(f"{name}-tp1", {}), (name, eplb)]
         if name in SAME_LAYOUT_EPLB_OFF:
-            runs.append((f"{name}-ep", {k: eplb[k] for k in SAME_LAYOUT}, "0|1"))
-        for run, llm, bind in runs:
-            engines.append(
-                {
-                    "name": run,
-                    "model": str(model),
-                    "prompts": PROMPTS,
-                    "llm": {**common, "tensor_parallel_size": 1, **llm},
-                    "max_tokens": MAX_TOKENS,
-                    "env": {"VLLM_CPU_OMP_THREADS_BIND": bind},
-                }
-            )
-    results = run_engines(root, engines)
+            runs.append((f"{name}-ep", {k: eplb[k] for k in SAME_LAYOUT}))
+        engines += [engine_spec(run, model, {**options, **llm}) for run, llm in runs]
+    # Each engine's error is kept in its result (the others still run): ``family`` reports it.
+    results = run_scenario(root, "families", {"engines": engines}, len(engines))
     for name in selected:
         results[name].update(root=root, name=name, reference=results.pop(f"{name}-tp1"))
         if name in SAME_LAYOUT_EPLB_OFF:

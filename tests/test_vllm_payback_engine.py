@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed: pip install -e '.[vllm]'")
 
-from tests.test_vllm_engine import EPLB, metrics, run_engine
+from tests.test_vllm_engine import EPLB, engine_spec, metrics, run_engines
 
 pytestmark = pytest.mark.vllm
 
@@ -27,19 +27,17 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("payback")
     model = write_tiny_qwen3_moe(root / "model")
     expert_parallel = {"tensor_parallel_size": 2, "enable_expert_parallel": True}
-    gate = run_engine(
-        root,
-        "gate",
-        model,
-        {
-            **expert_parallel,
-            "enforce_eager": True,
-            "enable_eplb": True,
-            "eplb_config": EPLB,  # window 4 / interval 8: many windows in one generate call
-            "additional_config": {"eplb_graph": {"metrics_path": str(root / "metrics-gate")}},
-        },
-    )
-    off = run_engine(root, "off", model, {**expert_parallel, "enforce_eager": True})
+    gate = {
+        **expert_parallel,
+        "enforce_eager": True,
+        "enable_eplb": True,
+        "eplb_config": EPLB,  # window 4 / interval 8: many windows in one generate call
+        "additional_config": {"eplb_graph": {"metrics_path": str(root / "metrics-gate")}},
+    }
+    off = {**expert_parallel, "enforce_eager": True}
+    specs = [engine_spec("gate", model, gate), engine_spec("off", model, off)]
+    results = run_engines(root, "engines", specs)
+    gate, off = results["gate"], results["off"]
     return {"gate": gate, "off": off, "ranks": metrics(root / "metrics-gate"), "root": root}
 
 
@@ -78,7 +76,7 @@ def test_each_window_checks_the_predicted_busiest_rank_against_the_measured_one(
 
 def test_every_rank_calibrated_its_own_kernel_before_the_first_window(runs):
     """5 local slots: 1, 2 and 5 active slots (1 = 5 // 4 counted once) x 3 row counts."""
-    log = (runs["root"] / "gate.log").read_text()
+    log = (runs["root"] / "engines.log").read_text()  # the gate engine, then the one off
     for rank in (0, 1):
         assert f"eplb-graph cost calibration on EP rank {rank}: 9 kernel calls" in log
     # Each window's decision is logged (kept windows rate-limited, the first always).

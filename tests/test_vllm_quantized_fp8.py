@@ -369,8 +369,7 @@ def fp8_engines(tmp_path_factory):
     reason = kernels_missing("FP8", ("fused_experts_cpu", "convert_weight_packed"))
     if reason:
         pytest.skip(reason)
-    from test_vllm_engine import EPLB, MAX_TOKENS, PROMPTS, metrics
-    from test_vllm_families import run_engines
+    from test_vllm_engine import EPLB, MAX_TOKENS, PROMPTS, metrics, run_scenario
 
     from eplb_graph.models.tiny_qwen3_moe import write_tiny_qwen3_moe
 
@@ -403,7 +402,7 @@ def fp8_engines(tmp_path_factory):
             {"name": mode, "model": str(model), "prompts": PROMPTS, "llm": llm,
              "max_tokens": MAX_TOKENS, "env": IN_PROCESS}
         )  # fmt: skip
-    results = run_engines(root, engines)
+    results = run_scenario(root, "families", {"engines": engines}, len(engines))
     for mode in ("fixed", "eplb"):
         assert "error" not in results[mode], results[mode]
         results[mode]["metrics"] = metrics(root / f"metrics-{mode}")

@@ -357,8 +357,7 @@ CHECKPOINTS = {
 def w4a16_engines(request, tmp_path_factory):
     """``checkpoint -> {"fixed", "eplb"}``: the engines of every checkpoint the selected tests
     ask for, all in one process, one after another (2 cores; one vLLM import for all)."""
-    from test_vllm_engine import EPLB, MAX_TOKENS, PROMPTS, metrics
-    from test_vllm_families import run_engines
+    from test_vllm_engine import EPLB, MAX_TOKENS, PROMPTS, metrics, run_scenario
 
     from eplb_graph.models.tiny_w4a16 import write_tiny_w4a16
 
@@ -403,7 +402,7 @@ def w4a16_engines(request, tmp_path_factory):
                     "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
                 }
             )
-    results = run_engines(root, engines) if engines else {}
+    results = run_scenario(root, "families", {"engines": engines}, len(engines)) if engines else {}
     served: dict[str, dict] = {}
     for name, result in results.items():
         if "error" in result:

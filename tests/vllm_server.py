@@ -23,6 +23,7 @@ import urllib.request
 from pathlib import Path
 
 from tests.ipc_tmpdir import ipc_safe_tmpdir
+from tests.vllm_model_info import share_model_info
 
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 900
@@ -63,6 +64,7 @@ def environment(root: Path) -> dict[str, str]:
     ):
         (root / "cache" / folder).mkdir(parents=True, exist_ok=True)
         env[name] = str(root / "cache" / folder)
+    share_model_info(root / "cache" / "vllm")
     env["TMPDIR"] = str(ipc_safe_tmpdir(root / "cache" / "tmp"))
     env["HF_HUB_OFFLINE"] = "1"
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
