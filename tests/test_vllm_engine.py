@@ -13,8 +13,9 @@ which the default placement puts on one rank) is served by:
 The OpenAI-compatible server commands of README.md and docs/vllm.md run in
 ``tests/test_vllm_server.py``.
 
-Each engine runs in its own process (``tests/vllm_scenario.py``), once per test module, one at
-a time, and writes its tokens; its workers write the per-rank metrics files the tests read. The
+``tp1``, ``fixed`` and ``sync_eager`` run one after another in one process, the docs' example in
+another (``tests/vllm_scenario.py``: one vLLM import per process), once per test module, and
+write their tokens; their workers write the per-rank metrics files the tests read. The
 tests need the ``vllm`` extra (``pip install -e '.[vllm]'``; CI installs it) and skip with that
 reason without it.
 """
