@@ -33,16 +33,23 @@ from eplb_graph.control.window import (
     local_reducer,
     process_group_reducer,
 )
-from eplb_graph.movement.agreement import StoreAgreement, default_store
 from eplb_graph.movement.commit import (
     CommitScheduler,
     InstallNow,
     PublishAtAgreedStep,
     StepClock,
 )
-from eplb_graph.movement.rebalance import FaultHook, Job, PlanJob, RebalancePipeline, WindowJob
+from eplb_graph.movement.rebalance import (
+    FaultHook,
+    Job,
+    PlanJob,
+    RebalancePipeline,
+    WindowJob,
+    views_per_layer,
+)
 from eplb_graph.movement.settings import MovementSettings
 from eplb_graph.movement.staging import LayerInstaller, StagingPool, check_staging_budget
+from eplb_graph.movement.transport import StoreAgreement, default_store
 from eplb_graph.movement.worker import MovementWorker
 from eplb_graph.state import EplbState
 from eplb_graph.stats import EplbStats, Progress
@@ -86,12 +93,8 @@ class EplbRuntime:
         agreement: StoreAgreement | None = None,
         record_load: bool = True,
     ) -> None:
-        if len(views) != state.num_layers:
-            raise ValueError(
-                f"need one weight view per layer ({state.num_layers}), got {len(views)}"
-            )
         self.state = state
-        self.views = list(views)
+        self.views = views_per_layer(state, views)
         self.rank = rank
         self.use_async = use_async
         # Capped by the model (a chunk or block count beyond its layers is never used).

@@ -10,9 +10,9 @@ import torch.distributed as dist
 
 from eplb_graph.control.planning import PolicyPlanner
 from eplb_graph.control.window import WindowLoad
-from eplb_graph.movement.agreement import StoreAgreement
 from eplb_graph.movement.commit import StepClock
 from eplb_graph.movement.staging import BlockState, StagingOwnershipError, StagingPool
+from eplb_graph.movement.transport import StoreAgreement
 from eplb_graph.policy import registry
 from tests.movement_fixtures import expert_payloads, rank_views
 
@@ -169,8 +169,8 @@ def test_planner_hands_the_previous_window_to_policies_that_take_it(monkeypatch)
 def test_commit_margin_doubles_after_a_veto_and_shrinks_after_commits():
     """A veto means the decision took longer than the margin; the next one gets twice the
     margin (bounded), and commits bring it back toward the configured one."""
-    from eplb_graph.movement.agreement import VETO_REASON, Decision
     from eplb_graph.movement.commit import PublishAtAgreedStep, StepClock
+    from eplb_graph.movement.transport import VETO_REASON, Decision
 
     class Scripted:
         def __init__(self, decisions):
@@ -200,8 +200,8 @@ def test_commit_margin_doubles_after_a_veto_and_shrinks_after_commits():
 def test_commit_steps_never_go_backwards_when_the_margin_shrinks():
     """Layers are installed in publication order; a later layer decided for an earlier step
     than its predecessor would find that step passed."""
-    from eplb_graph.movement.agreement import Decision
     from eplb_graph.movement.commit import PublishAtAgreedStep, StepClock
+    from eplb_graph.movement.transport import Decision
 
     class MaxOfProposal:
         def __init__(self):

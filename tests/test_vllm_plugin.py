@@ -310,6 +310,7 @@ def engine_args(tmp_path_factory):
 
 @pytest.mark.vllm
 def test_vllm_accepts_eplb_on_cpu_with_the_plugin(engine_args):
+    from eplb_graph.integrations.settings import resolve_eplb_config, to_runtime_settings
     from eplb_graph.integrations.vllm.settings import eplb_settings
 
     config = engine_args(
@@ -320,7 +321,18 @@ def test_vllm_accepts_eplb_on_cpu_with_the_plugin(engine_args):
     assert settings.control.policy == "churn_aware"
     assert (settings.control.window_size, settings.control.step_interval) == (4, 8)
     assert settings.movement.layers_per_step == 2
-    assert settings.num_redundant == 2 and settings.use_async
+    assert settings.num_redundant_experts == 2 and settings.use_async
+    # The one settings path every host takes: vLLM's settings are to_runtime_settings' value.
+    resolved = resolve_eplb_config(
+        enable_eplb=True,
+        eplb_config={"window_size": 4, "step_interval": 8, "num_redundant_experts": 2},
+        additional_config=None,
+        num_experts=config.model_config.get_num_experts(),
+        ep_size=config.parallel_config.tensor_parallel_size,
+    )
+    expected = to_runtime_settings(resolved, num_layers=2)
+    assert settings.initial_placement == expected.initial_placement
+    assert settings.move_to is None and settings.record_map_path is None
 
 
 @pytest.mark.vllm

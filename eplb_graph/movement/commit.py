@@ -33,9 +33,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from eplb_graph.movement.agreement import Decision, StoreAgreement
 from eplb_graph.movement.planner import RankPlan
 from eplb_graph.movement.staging import LayerInstaller, StagingBlock, StagingPool
+from eplb_graph.movement.transport import Decision, StoreAgreement
 from eplb_graph.state import PreparedLayer
 
 __all__ = [

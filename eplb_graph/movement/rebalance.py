@@ -37,12 +37,17 @@ import torch.distributed as dist
 
 from eplb_graph.control.planning import plan_window
 from eplb_graph.control.window import WindowSnapshot, reduce_window
-from eplb_graph.movement.agreement import Decision, StoreAgreement
 from eplb_graph.movement.commit import InstallNow, PublishAtAgreedStep, PublishedLayer
 from eplb_graph.movement.planner import plan_transfer
 from eplb_graph.movement.settings import MovementSettings
 from eplb_graph.movement.staging import StagingPool, stage_reads_
-from eplb_graph.movement.transport import GlooStagedCommunicator, TransferError, probe_group
+from eplb_graph.movement.transport import (
+    Decision,
+    GlooStagedCommunicator,
+    StoreAgreement,
+    TransferError,
+    probe_group,
+)
 from eplb_graph.state import EplbState
 
 logger = logging.getLogger(__name__)
@@ -108,6 +113,14 @@ class RebalanceStats:
     window_balancedness: list[float] = field(default_factory=list)  # the last HISTORY windows
 
 
+def views_per_layer(state: EplbState, views: Sequence) -> list:
+    """``views`` as a list, checked to hold one weight view per layer of ``state`` (a runtime
+    checks it before it allocates anything; the pipeline, which can be built alone, again)."""
+    if len(views) != state.num_layers:
+        raise ValueError(f"need one weight view per layer ({state.num_layers}), got {len(views)}")
+    return list(views)
+
+
 class RebalancePipeline:
     """Runs rearrangements for one rank (see the module docstring for the steps).
 
@@ -144,12 +157,8 @@ class RebalancePipeline:
         fault_hook: FaultHook | None = None,
         record_map_path: str | None = None,
     ) -> None:
-        if len(views) != state.num_layers:
-            raise ValueError(
-                f"need one weight view per layer ({state.num_layers}), got {len(views)}"
-            )
         self.state = state
-        self.views = list(views)
+        self.views = views_per_layer(state, views)
         self.pool = pool
         self.groups = groups
         self.rank = rank

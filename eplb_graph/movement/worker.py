@@ -32,9 +32,9 @@ from dataclasses import replace
 
 import torch
 
-from eplb_graph.movement.agreement import StoreAgreement
 from eplb_graph.movement.commit import PublishedLayer, RearrangementFinished
 from eplb_graph.movement.rebalance import Job, PlanJob, RebalancePipeline, WindowJob
+from eplb_graph.movement.transport import StoreAgreement
 
 logger = logging.getLogger(__name__)
 

@@ -1,11 +1,14 @@
 """From a resolved host configuration to the plain settings the core runtime takes.
 
 The core (``EplbRuntime``, ``EplbState``, ``ControlSettings``) knows nothing of vLLM's or
-vllm-ascend's option names; this module is the one place that maps them. Every validated field
-lands in :class:`RuntimeSettings`, so a setting a user gave is either acted on or rejected at
-initialization, never validated and then dropped.
+vllm-ascend's option names; this module is the one place that maps them, and every host goes
+through it: a launcher holding a command line (``parse_cli_args``), vllm-ascend's V1 keys, and
+the vLLM plugin (``integrations/vllm/settings.py`` adds its own section's values to what
+:func:`to_runtime_settings` returns). Every validated field lands in :class:`RuntimeSettings`,
+so a setting a user gave is either acted on or rejected at initialization, never validated and
+then dropped.
 
-A runner (or the vLLM plugin) does, once per rank::
+A runner does, once per rank::
 
     resolved = resolve_eplb_config(...)              # or parse_cli_args(argv).resolve(...)
     if resolved.enabled:
@@ -13,13 +16,13 @@ A runner (or the vLLM plugin) does, once per rank::
         state = EplbState(settings.initial_placement, rank=rank, device=device)
         if settings.control is not None:             # None: legacy static map, no rebalancing
             runtime = EplbRuntime(state, views, settings.control, groups, rank,
-                                  use_async=settings.use_async,
+                                  use_async=settings.use_async, movement=settings.movement,
                                   record_map_path=settings.record_map_path)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from eplb_graph.control.settings import ControlSettings
@@ -27,6 +30,7 @@ from eplb_graph.integrations.settings.fields import ConfigError
 from eplb_graph.integrations.settings.legacy import LegacyEplbConfig
 from eplb_graph.integrations.settings.resolve import EplbPath, ResolvedEplbConfig
 from eplb_graph.integrations.settings.v2 import GLOO_COMMUNICATOR, EplbConfig
+from eplb_graph.movement.settings import MovementSettings
 from eplb_graph.placement import Placement
 
 
@@ -39,20 +43,33 @@ class RuntimeSettings:
             ``EplbRuntime``; ``None`` in legacy static mode, where the map is served as loaded
             and no runtime is built.
         use_async: ``EplbRuntime(use_async=...)``: plan and move on the worker thread.
-        record_map_path: ``EplbRuntime(record_map_path=...)``: legacy record mode writes every
+        record_map_path: ``EplbRuntime(record_map_path=...)``: record mode writes every
             agreed plan to this expert-map file and applies none; ``None`` otherwise.
         initial_placement: the placement to build ``EplbState`` from: the legacy
             ``expert_map_path`` map when one is given, else the default placement of
-            ``num_experts + num_redundant_experts`` slots over ``ep_size`` ranks.
+            ``num_experts + num_redundant_experts`` slots over ``ep_size`` ranks. ``None`` only
+            where the model's layer count is not known yet (vLLM checks the settings where it
+            builds its config, before any model is loaded).
+        num_redundant_experts: redundant slots over the logical experts.
         communicator: the weight-transfer backend the runner's group provider must use;
             ``"torch_gloo"``, the only one eplb-graph implements (V2's ``null`` picks it).
+        movement: ``EplbRuntime(movement=...)``: how weights are staged and committed.
+        move_to: start from this placement: the weights, loaded in ``initial_placement``, are
+            moved there before serving (the vLLM plugin's ``expert_map_path``).
+        metrics_path: directory of the per-rank metrics files (``None``: none written).
+        weight_digests: hash every local slot's kernel tensors at attach and after each commit.
     """
 
     control: ControlSettings | None
     use_async: bool
     record_map_path: str | None
-    initial_placement: Placement
+    initial_placement: Placement | None
+    num_redundant_experts: int = 0
     communicator: str = GLOO_COMMUNICATOR
+    movement: MovementSettings = field(default_factory=MovementSettings)
+    move_to: Placement | None = None
+    metrics_path: str | None = None
+    weight_digests: bool = False
 
     @property
     def rebalances(self) -> bool:
@@ -117,7 +134,7 @@ def control_settings_from_legacy(
 def to_runtime_settings(
     resolved: ResolvedEplbConfig,
     *,
-    num_layers: int,
+    num_layers: int | None,
     num_groups: int = 1,
     num_nodes: int = 1,
     **extra: Any,
@@ -127,7 +144,8 @@ def to_runtime_settings(
     Args:
         resolved: the outcome of ``resolve_eplb_config`` on the V2 or legacy path.
         num_layers: the model's MoE layers (the default placement's rows; a legacy map must
-            have exactly as many).
+            have exactly as many); ``None`` where the model is not loaded yet (then
+            ``initial_placement`` is the legacy map, or ``None``).
         num_groups, num_nodes, extra: passed to the control settings (see
             :func:`control_settings_from_v2`).
 
@@ -145,6 +163,7 @@ def to_runtime_settings(
             use_async=config.use_async,
             record_map_path=None,
             initial_placement=_initial_placement(resolved, num_layers),
+            num_redundant_experts=resolved.num_redundant_experts,
             communicator=config.communicator or GLOO_COMMUNICATOR,
         )
     if resolved.path is EplbPath.LEGACY:
@@ -161,17 +180,20 @@ def to_runtime_settings(
             use_async=True,
             record_map_path=legacy.expert_map_record_path,
             initial_placement=_initial_placement(resolved, num_layers),
+            num_redundant_experts=resolved.num_redundant_experts,
         )
     raise ValueError("EPLB is disabled: build no EPLB state or runtime for this run")
 
 
-def _initial_placement(resolved: ResolvedEplbConfig, num_layers: int) -> Placement:
+def _initial_placement(resolved: ResolvedEplbConfig, num_layers: int | None) -> Placement | None:
     expert_map = resolved.expert_map
     if expert_map is None:
+        if num_layers is None:
+            return None
         return Placement.default(
             num_layers, resolved.num_experts, resolved.num_redundant_experts, resolved.ep_size
         )
-    if expert_map.num_layers != num_layers:
+    if num_layers is not None and expert_map.num_layers != num_layers:
         raise ConfigError(
             "expert_map_path",
             f"the map has {expert_map.num_layers} MoE layers but the model has {num_layers}; "

@@ -142,9 +142,16 @@ def start(
     assert settings is not None  # attach runs only with enable_eplb
     ep_rank, ep_size = group.rank_in_group, group.world_size
     # vLLM filled slot p of every layer with expert p (p < N), then p - N mod N: the default.
-    placement = Placement.default(
-        model.num_moe_layers, model.num_logical_experts, model.num_redundant_experts, ep_size
+    placement = settings.initial_placement
+    loaded = (model.num_moe_layers, model.num_logical_experts, model.num_redundant_experts, ep_size)
+    configured = placement and (
+        placement.num_layers, placement.num_logical, placement.num_redundant, placement.num_ranks
     )
+    if configured != loaded:  # one source of truth: a mismatch is a bug, never served through
+        raise RuntimeError(
+            f"eplb-graph: (MoE layers, experts, redundant, EP ranks) are {configured} in vLLM's "
+            f"configuration but {loaded} in the loaded model"
+        )
     # One offset seed on every rank: where routing is replicated, a token's replica must agree.
     state = EplbState(placement, rank=ep_rank, offset_seed=0, device=device)
     state.set_step_inputs_(0, False)  # the compile warm-up is a dummy run: record nothing
@@ -152,8 +159,8 @@ def start(
     views = weight_views(model)
     groups = GroupRing(GROUP_RING_SIZE, timeout_s=GROUP_TIMEOUT_S, ranks=list(group.ranks))
     try:  # the staging budget is checked where the per-expert byte size is known: here
-        if settings.expert_map is not None:
-            _move_to(settings, state, views, groups, ep_rank, settings.expert_map)
+        if settings.move_to is not None:
+            _move_to(settings, state, views, groups, ep_rank, settings.move_to)
         runtime = EplbRuntime(
             state,
             views,

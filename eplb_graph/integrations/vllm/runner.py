@@ -22,6 +22,7 @@ import time
 from collections import deque
 from typing import Any
 
+from eplb_graph.integrations.settings import RuntimeSettings
 from eplb_graph.integrations.vllm.calibration import calibrate_local_experts
 from eplb_graph.integrations.vllm.metrics import (
     BackgroundWriter,
@@ -31,7 +32,6 @@ from eplb_graph.integrations.vllm.metrics import (
     model_is_compiled,
     placement_digest,
 )
-from eplb_graph.integrations.vllm.settings import VllmEplbSettings
 from eplb_graph.integrations.vllm.slot_digests import DigestLog
 from eplb_graph.runtime import EplbRuntime
 
@@ -56,7 +56,7 @@ class VllmEplbAdapter:
         self,
         runner: Any,
         runtime: EplbRuntime,
-        settings: VllmEplbSettings,
+        settings: RuntimeSettings,
         ep_rank: int,
         ep_size: int,
     ) -> None:

@@ -3,14 +3,15 @@
 The same function runs twice with the same inputs: in the process that builds vLLM's config
 (so a bad setting fails ``LLM(...)`` / server start-up with a ``ConfigError`` naming the field),
 and in every worker when the model is loaded (where the layer count and expert groups are
-known). Validation is the project's own (``eplb_graph.integrations.settings``), fed from
-``ParallelConfig.enable_eplb``, ``ParallelConfig.eplb_config`` and ``additional_config``.
+known). The path is every host's (``eplb_graph.integrations.settings``): vLLM's
+``ParallelConfig.enable_eplb``, ``ParallelConfig.eplb_config`` and ``additional_config`` go
+through ``resolve_eplb_config`` and ``to_runtime_settings``; this module then adds what only
+the plugin's own section (:class:`~eplb_graph.integrations.vllm.options.PluginOptions`) sets.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,9 @@ from eplb_graph.control.window_record import WINDOWS_FILE
 from eplb_graph.integrations.settings import (
     ConfigError,
     EplbPath,
-    control_settings_from_v2,
+    RuntimeSettings,
     resolve_eplb_config,
+    to_runtime_settings,
 )
 from eplb_graph.integrations.vllm.model_shape import hidden_layer_count, moe_layer_count
 from eplb_graph.integrations.vllm.options import PREFIX, SECTION, PluginOptions
@@ -43,20 +45,6 @@ _EPLB_CONFIG_FIELDS = (
 )
 
 
-@dataclass(frozen=True)
-class VllmEplbSettings:
-    """Everything one worker needs to run eplb-graph's EPLB under vLLM."""
-
-    control: ControlSettings
-    movement: MovementSettings
-    use_async: bool
-    num_redundant: int
-    expert_map: Placement | None  # start from this placement (moved to at start-up)
-    record_map_path: str | None
-    metrics_path: str | None
-    weight_digests: bool = False  # per-slot digests in the metrics files (slot_digests.py)
-
-
 def plugin_section(vllm_config: Any) -> Any:
     return (vllm_config.additional_config or {}).get(SECTION)
 
@@ -67,7 +55,7 @@ def eplb_settings(
     num_layers: int | None = None,
     num_expert_groups: int = 1,
     timed_experts: bool = True,
-) -> VllmEplbSettings | None:
+) -> RuntimeSettings | None:
     """Validate every EPLB setting of ``vllm_config``; ``None`` when EPLB is off.
 
     ``timed_experts``: whether the host's expert op records its own time (vLLM's CPU kernels
@@ -106,23 +94,23 @@ def eplb_settings(
     )
     if resolved.path is not EplbPath.V2 or resolved.v2 is None:  # enable_eplb: V2 or raised
         raise ConfigError("enable_eplb", f"resolved to the {resolved.path.value} path")
-    control = control_settings_from_v2(resolved.v2, num_groups=num_expert_groups)
-    control = _with_options(control, options, additional)
+    model_config = vllm_config.model_config
+    if num_layers is None:
+        num_layers = moe_layer_count(model_config)
+    settings = to_runtime_settings(resolved, num_layers=num_layers, num_groups=num_expert_groups)
+    assert settings.control is not None  # the V2 path always rebalances
+    control = _with_options(settings.control, options, additional)
     control = dataclasses.replace(control, rearrange=_rearrange(options, timed_experts))
     if options.record_windows:
         windows = str(Path(options.metrics_path) / WINDOWS_FILE)
         control = dataclasses.replace(control, windows_path=windows)
-    model_config = vllm_config.model_config
-    if num_layers is None:
-        num_layers = moe_layer_count(model_config)
-    expert_map = _expert_map(options, resolved, num_layers, hidden_layer_count(model_config))
+    move_to = _expert_map(options, resolved, num_layers, hidden_layer_count(model_config))
     _check_policy_options(control, resolved)
-    return VllmEplbSettings(
+    return dataclasses.replace(
+        settings,
         control=control,
         movement=_movement(options, num_layers),
-        use_async=resolved.v2.use_async,
-        num_redundant=resolved.num_redundant_experts,
-        expert_map=expert_map,
+        move_to=move_to,
         record_map_path=options.record_map_path,
         metrics_path=options.metrics_path,
         weight_digests=options.weight_digests,
