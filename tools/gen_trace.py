@@ -12,11 +12,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eplb_graph.simulate.trace import TraceSpec, generate_trace, save_trace
+from eplb_graph.simulate.trace import SPEC_FLAGS, TraceSpec, generate_trace, save_trace
 
 #: ``eplb-graph simulate``'s option names for the fields it shares, so one vocabulary works for
 #: both tools; the ``--num-*`` spellings stay as deprecated aliases (older docs and scripts).
-OPTION_NAMES = {"num_layers": "--layers", "num_experts": "--experts", "num_steps": "--steps"}
+OPTION_NAMES = {field: f"--{flag}" for field, flag in SPEC_FLAGS.items()}
 
 
 class _DeprecatedAlias(argparse.Action):

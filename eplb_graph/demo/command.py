@@ -18,13 +18,43 @@ from eplb_graph.cli_support import (
     write_file_atomically,
     write_text_atomically,
 )
-from eplb_graph.demo.options import COMPILE_BACKENDS, DemoOptions, option_defaults
+from eplb_graph.demo.options import (
+    COMPILE_BACKENDS,
+    INTEGER_FIELDS,
+    DemoOptions,
+    option_defaults,
+)
 from eplb_graph.errors import EplbError
 from eplb_graph.models.formats import FORMATS
 from eplb_graph.progress import NO_PROGRESS_HELP
 
 COMMAND = "eplb-graph demo"
 logger = logging.getLogger(__name__)
+
+
+# The integer flags' help, in --help order; each flag's spelling comes from INTEGER_FIELDS (the
+# checks' own table) and its default from DemoOptions, so neither is written a second time here.
+_MODEL_FLAGS_HELP = {
+    "ranks": "EP ranks to spawn (>= 2); under torchrun WORLD_SIZE is used instead",
+    "steps": "serving steps",
+    "layers": "MoE layers",
+    "experts": "logical experts; experts + redundant must divide by ranks",
+    "redundant": "redundant slots (>= 0)",
+    "hidden": "hidden size",
+    "intermediate": "expert intermediate size",
+    "top_k": "experts per token (at most --experts)",
+}
+_SCHEDULE_FLAGS_HELP = {
+    "window_size": "steps of load each plan sees (capped at --step-interval)",
+    "step_interval": "steps between rearrangements",
+    "layers_per_step": "layers committed at one agreed step",
+}
+
+
+def _integer_options(option, defaults: argparse.Namespace, helps: dict[str, str]) -> None:
+    """Add one ``type=int`` flag per :class:`DemoOptions` field in ``helps``."""
+    for name, text in helps.items():
+        option(INTEGER_FIELDS[name][0], type=int, default=getattr(defaults, name), help=text)
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
@@ -41,28 +71,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
         ),
     )
     option = parser.add_argument
-    option(
-        "--ranks",
-        type=int,
-        default=defaults.ranks,
-        help="EP ranks to spawn (>= 2); under torchrun WORLD_SIZE is used instead",
-    )
-    option("--steps", type=int, default=defaults.steps, help="serving steps")
-    option("--layers", type=int, default=defaults.layers, help="MoE layers")
-    option(
-        "--experts",
-        type=int,
-        default=defaults.experts,
-        help="logical experts; experts + redundant must divide by ranks",
-    )
-    option("--redundant", type=int, default=defaults.redundant, help="redundant slots (>= 0)")
-    option("--hidden", type=int, default=defaults.hidden, help="hidden size")
-    option(
-        "--intermediate", type=int, default=defaults.intermediate, help="expert intermediate size"
-    )
-    option(
-        "--top-k", type=int, default=defaults.top_k, help="experts per token (at most --experts)"
-    )
+    _integer_options(option, defaults, _MODEL_FLAGS_HELP)
     option(
         "--format",
         dest="weight_format",
@@ -83,31 +92,14 @@ def add_parser(commands) -> argparse.ArgumentParser:
         help="always: apply every plan (the demo's default, to show movement); when_it_pays: "
         "only plans the expert cost model predicts repay their move (vLLM's default)",
     )
-    option(
-        "--window-size",
-        type=int,
-        default=defaults.window_size,
-        help="steps of load each plan sees (capped at --step-interval)",
-    )
-    option(
-        "--step-interval",
-        type=int,
-        default=defaults.step_interval,
-        help="steps between rearrangements",
-    )
-    option(
-        "--layers-per-step",
-        type=int,
-        default=defaults.layers_per_step,
-        help="layers committed at one agreed step",
-    )
+    _integer_options(option, defaults, _SCHEDULE_FLAGS_HELP)
     option(
         "--backend",
         choices=COMPILE_BACKENDS,
         default=defaults.backend,
         help="torch.compile backend (fullgraph=True, dynamic=False)",
     )
-    option("--seed", type=int, default=defaults.seed, help="seed of the weights and the traffic")
+    _integer_options(option, defaults, {"seed": "seed of the weights and the traffic"})
     option("--json", metavar="PATH", help="write the report as JSON")
     option(
         "--plot",
@@ -123,25 +115,10 @@ def add_parser(commands) -> argparse.ArgumentParser:
 
 def options_from_args(args: argparse.Namespace, ranks: int | None = None) -> DemoOptions:
     """The run's options; :class:`DemoOptionError` names the first flag the ranks could not use."""
-    return DemoOptions(
-        ranks=args.ranks if ranks is None else ranks,
-        steps=args.steps,
-        layers=args.layers,
-        experts=args.experts,
-        hidden=args.hidden,
-        intermediate=args.intermediate,
-        top_k=args.top_k,
-        redundant=args.redundant,
-        weight_format=args.weight_format,
-        policy=args.policy,
-        rearrange=args.rearrange,
-        window_size=args.window_size,
-        step_interval=args.step_interval,
-        layers_per_step=args.layers_per_step,
-        backend=args.backend,
-        seed=args.seed,
-        progress=not args.no_progress,
-    )
+    flags = {name: getattr(args, name) for name in option_defaults() if hasattr(args, name)}
+    if ranks is not None:
+        flags["ranks"] = ranks
+    return DemoOptions(**flags, progress=not args.no_progress)
 
 
 def check_outputs(args: argparse.Namespace) -> None:

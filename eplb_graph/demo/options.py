@@ -29,8 +29,9 @@ class DemoOptionError(EplbError, ValueError):
     """
 
 
-# field -> (command-line flag, smallest allowed value)
-_INTEGER_FIELDS = {
+# field -> (command-line flag, smallest allowed value); the demo's parser spells its integer
+# flags from here too, so the flag a check names is the flag the parser defines.
+INTEGER_FIELDS = {
     "ranks": ("--ranks", 2),
     "steps": ("--steps", 1),
     "layers": ("--layers", 1),
@@ -73,7 +74,7 @@ class DemoOptions:
 
     def __post_init__(self) -> None:
         """Every check a rank would otherwise fail on, here, in the parent (DemoOptionError)."""
-        for name, (flag, minimum) in _INTEGER_FIELDS.items():
+        for name, (flag, minimum) in INTEGER_FIELDS.items():
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise DemoOptionError(f"{flag} must be an integer, got {value!r}")

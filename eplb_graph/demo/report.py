@@ -18,9 +18,7 @@ def summary_table(report: dict) -> str:
         ("policy / window / interval", (
             f"{options['policy']} / {options['window_size']} / {options['step_interval']} steps"
         )),
-        ("step time, EPLB on / off", _step_row(report)),
-        ("busiest rank's expert time", _expert_row(report)),
-        ("balancedness of expert time", _measured_row(report)),
+        *_timing_rows(report.get("step_time")),
         ("balancedness of rows, on / off", (
             f"{report['balancedness_eplb']:.4f} / {report['balancedness_baseline']:.4f}  (mean "
             f"over the {steps} steps of mean / max rows per rank, same traffic; what the policy "
@@ -47,20 +45,24 @@ def summary_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _step_row(report: dict) -> str:
-    timing = report.get("step_time")
-    if not timing:
-        return "not measured"
+def _timing_rows(timing: dict | None) -> list[tuple[str, str]]:
+    """The measured-time rows; a run without timings has none of them, so one check says so."""
+    rows = (
+        ("step time, EPLB on / off", _step_row),
+        ("busiest rank's expert time", _expert_row),
+        ("balancedness of expert time", _measured_row),
+    )
+    return [(name, row(timing) if timing else "not measured") for name, row in rows]
+
+
+def _step_row(timing: dict) -> str:
     return (
         f"{timing['eplb']['step_ms']:.2f} / {timing['baseline']['step_ms']:.2f} ms  (median "
         "forward of the slowest rank, dispatch and combine included)"
     )
 
 
-def _expert_row(report: dict) -> str:
-    timing = report.get("step_time")
-    if not timing:
-        return "not measured"
+def _expert_row(timing: dict) -> str:
     return (
         f"on {timing['eplb']['busiest_expert_ms']:.3f} ms, off "
         f"{timing['baseline']['busiest_expert_ms']:.3f} ms per step  (median, the expert op's "
@@ -68,10 +70,7 @@ def _expert_row(report: dict) -> str:
     )
 
 
-def _measured_row(report: dict) -> str:
-    timing = report.get("step_time")
-    if not timing:
-        return "not measured"
+def _measured_row(timing: dict) -> str:
     values = [timing[name]["balancedness_measured"] for name in ("eplb", "baseline")]
     on, off = ("n/a" if v is None else f"{v:.4f}" for v in values)
     return (

@@ -25,29 +25,30 @@ from dataclasses import dataclass
 import torch
 
 from eplb_graph.models.formats import FORMATS
+from eplb_graph.models.shape import MoEShape
 from eplb_graph.movement.views import UnquantizedView, W8A8View
 from eplb_graph.ops import local_experts, local_experts_w8a8, map_and_record
 from eplb_graph.state import EplbState
 
 
 @dataclass(frozen=True)
-class EpMoEConfig:
-    num_layers: int = 4
-    hidden: int = 64
-    intermediate: int = 64
-    num_experts: int = 16
-    top_k: int = 2
-    num_redundant: int = 8
-    weight_format: str = "unquantized"
-    seed: int = 0
+class EpMoEConfig(MoEShape):
+    """The demo model: a :class:`MoEShape` plus its redundant slots, weight format and seed.
+
+    No defaults: :meth:`DemoOptions.model_config <eplb_graph.demo.options.DemoOptions>` makes
+    every instance, and the demo's options are where the model's defaults live.
+    """
+
+    num_redundant: int
+    weight_format: str
+    seed: int
 
     def __post_init__(self) -> None:
         if self.weight_format not in FORMATS:
             raise ValueError(
                 f"weight_format must be one of {', '.join(FORMATS)}, got {self.weight_format!r}"
             )
-        if self.top_k > self.num_experts:
-            raise ValueError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}")
+        super().__post_init__()
 
 
 class ExpertCheckpoint:

@@ -166,26 +166,13 @@ UNITS_NOTE = (
 
 
 def _load_or_generate(args: argparse.Namespace) -> LoadTrace:
-    from eplb_graph.simulate.trace import TraceSpec, generate_trace, load_trace
+    from eplb_graph.simulate.trace import generate_trace, load_trace, spec_from_flags
 
     if args.trace:
         return load_trace(args.trace)
     if args.top_k > args.experts:
         raise UsageError(f"--top-k must be <= --experts ({args.experts}), got {args.top_k}")
-    return generate_trace(
-        TraceSpec(
-            num_layers=args.layers,
-            num_experts=args.experts,
-            top_k=args.top_k,
-            num_steps=args.steps,
-            shape=args.shape,
-            skew=args.skew,
-            drift_sigma=args.drift_sigma,
-            segment_steps=args.segment_steps,
-            prefill_fraction=args.prefill_fraction,
-            seed=args.seed,
-        )
-    )
+    return generate_trace(spec_from_flags(args))
 
 
 def check_cluster(trace: LoadTrace, cluster: ClusterShape, policies: list[str]) -> None:

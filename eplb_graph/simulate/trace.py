@@ -216,6 +216,23 @@ class TraceSpec:
     seed: int = 0
 
 
+#: ``eplb-graph simulate``'s flag names (argparse dests) for the :class:`TraceSpec` fields it
+#: spells differently; every other field's flag is its own name. One table, so the command and
+#: ``tools/gen_trace.py`` share one vocabulary and map flags to fields the same way.
+SPEC_FLAGS = {"num_layers": "layers", "num_experts": "experts", "num_steps": "steps"}
+
+
+def spec_from_flags(values: object) -> TraceSpec:
+    """The :class:`TraceSpec` that parsed flags ask for; a field without a flag keeps its default.
+
+    ``values`` is an ``argparse.Namespace`` (or anything with the flags as attributes).
+    """
+    names = {field: SPEC_FLAGS.get(field, field) for field in vars(TraceSpec())}
+    return TraceSpec(
+        **{field: getattr(values, flag) for field, flag in names.items() if hasattr(values, flag)}
+    )
+
+
 def base_popularity(spec: TraceSpec, rng: np.random.Generator) -> np.ndarray:
     """``[L, N]`` popularity with the requested shape, an independent expert order per layer."""
     ranks = np.arange(1, spec.num_experts + 1, dtype=np.float64)
