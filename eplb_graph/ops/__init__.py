@@ -7,7 +7,8 @@ lowering choice, the fused native CPU kernel (built on first use from ``custom_o
 Triton kernels for CUDA (``cuda``, ``triton_routing``; where triton is installed) and, where
 torch_npu is importable, the NPU registrations.
 
-Modules: ``registration`` (schemas, fakes), ``checks`` (input checks shared by fakes and
+Modules: ``signatures`` (each op's schema, written once, and what derives from it),
+``registration`` (definitions, fakes), ``checks`` (input checks shared by fakes and
 reference), ``reference`` (the oracle), ``native`` (CPU kernel loader), ``inductor``, ``npu``,
 ``wrappers`` (the typed Python entry points re-exported here).
 """

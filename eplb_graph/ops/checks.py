@@ -7,6 +7,9 @@ check here looks only at ranks, shapes, strides, dtypes, devices and storages. T
 kernel (``custom_ops/csrc/eplb_graph_cpu.cpp``) repeats these checks in the same order with the
 same messages, so every kernel gives the same error for the same input.
 
+Every ``check_*_args`` takes its op's tensor arguments in schema order (``signatures``), which
+also names them in the device and aliasing messages, so no check re-spells an op's parameters.
+
 What the checks cannot see (table *values*) has a defined result instead of an error, the same
 in every kernel: see :func:`eplb_graph.ops.map_to_physical`.
 """
@@ -16,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
+from eplb_graph.ops.signatures import MAPPED, SIGNATURES
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 _INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
@@ -34,83 +39,60 @@ def _check(cond: bool, message: str | Callable[[], str]) -> None:
     torch._check(cond, message if callable(message) else lambda: message)
 
 
-def check_map_args(
-    topk_ids: torch.Tensor,
-    log2phy: torch.Tensor,
-    replica_count: torch.Tensor,
-    offset: torch.Tensor,
-) -> None:
+def check_map_args(*args: torch.Tensor) -> None:
     """Validate ``map_to_physical`` inputs (ids [T, K], log2phy [N, R], count [N])."""
-    _check_map_tensors(topk_ids, log2phy, replica_count, offset)
-    _check_same_device(
-        "map_to_physical",
-        topk_ids=topk_ids,
-        log2phy=log2phy,
-        replica_count=replica_count,
-        offset=offset,
-    )
+    _check_map_tensors(*args)
+    _check_together("map_to_physical", args)
 
 
-def check_record_args(
-    load: torch.Tensor,
-    physical_ids: torch.Tensor,
-    num_valid_tokens: torch.Tensor,
-    record_enabled: torch.Tensor,
-) -> None:
+def check_record_args(*args: torch.Tensor) -> None:
     """Validate the inputs of ``record_load`` (shapes: load [P], physical_ids [T, K], flags 0-d)."""
+    load, physical_ids, num_valid_tokens, record_enabled = args
     _check_load(load)
-    _check(
-        physical_ids.dim() == 2,
-        lambda: f"physical_ids should be a 2d tensor [T, K], got {physical_ids.dim()}D",
-    )
-    _check(
-        physical_ids.dtype in INDEX_DTYPES,
-        lambda: f"physical_ids should be int32 or int64, got {physical_ids.dtype}",
-    )
-    _check_step_flags(num_valid_tokens, record_enabled)
-    read_only = {
-        "physical_ids": physical_ids,
-        "num_valid_tokens": num_valid_tokens,
-        "record_enabled": record_enabled,
-    }
-    _check_same_device("record_load", load=load, **read_only)
-    _check_load_is_private(load, read_only)
+    _check_kind("physical_ids", physical_ids, 2, "[T, K]")
+    _check_step_flags("", num_valid_tokens, record_enabled)
+    _check_together("record_load", args)
 
 
-def check_map_and_record_args(
-    topk_ids: torch.Tensor,
-    log2phy: torch.Tensor,
-    replica_count: torch.Tensor,
-    offset: torch.Tensor,
-    load: torch.Tensor,
-    num_valid_tokens: torch.Tensor,
-    record_enabled: torch.Tensor,
-) -> None:
+def check_map_and_record_args(*args: torch.Tensor) -> None:
     """Validate every input of ``map_and_record`` before anything is computed or written."""
-    _check_map_tensors(topk_ids, log2phy, replica_count, offset)
-    _check_load(load)
-    _check_step_flags(num_valid_tokens, record_enabled)
-    _check_same_device(
-        "map_and_record",
-        topk_ids=topk_ids,
-        log2phy=log2phy,
-        replica_count=replica_count,
-        offset=offset,
-        load=load,
-        num_valid_tokens=num_valid_tokens,
-        record_enabled=record_enabled,
-    )
-    _check_load_is_private(
-        load,
-        {
-            "topk_ids": topk_ids,
-            "log2phy": log2phy,
-            "replica_count": replica_count,
-            "offset": offset,
-            "num_valid_tokens": num_valid_tokens,
-            "record_enabled": record_enabled,
-        },
-    )
+    _check_map_tensors(*args[:MAPPED])
+    _check_load(args[MAPPED])
+    _check_step_flags("", *args[MAPPED + 1 :])
+    _check_together("map_and_record", args)
+
+
+def _rank_message(label: str, tensor: torch.Tensor, dims: int, shape: str) -> str:
+    rank = "a 0-d tensor" if dims == 0 else f"a {dims}d tensor {shape}"
+    return f"{label} should be {rank}, got {tensor.dim()}D"
+
+
+def _check_rank(label: str, tensor: torch.Tensor, dims: int, shape: str = "") -> None:
+    """``tensor`` has ``dims`` dimensions; ``label`` names it (with the op, where messages do)."""
+    _check(tensor.dim() == dims, lambda: _rank_message(label, tensor, dims, shape))
+
+
+def _check_dtype(
+    label: str, tensor: torch.Tensor, dtypes: tuple[torch.dtype, ...], kind: str
+) -> None:
+    _check(tensor.dtype in dtypes, lambda: f"{label} should be {kind}, got {tensor.dtype}")
+
+
+def _check_kind(
+    label: str,
+    tensor: torch.Tensor,
+    dims: int,
+    shape: str = "",
+    dtypes: tuple[torch.dtype, ...] = INDEX_DTYPES,
+    kind: str = "int32 or int64",
+) -> None:
+    """Rank then dtype (an index tensor unless told): the order every kernel checks them in.
+
+    Both checks are inline rather than calls of the two above: the routing ops' eager path on a
+    GPU pays this function about ten times per call.
+    """
+    _check(tensor.dim() == dims, lambda: _rank_message(label, tensor, dims, shape))
+    _check(tensor.dtype in dtypes, lambda: f"{label} should be {kind}, got {tensor.dtype}")
 
 
 def _check_map_tensors(
@@ -119,20 +101,8 @@ def _check_map_tensors(
     replica_count: torch.Tensor,
     offset: torch.Tensor,
 ) -> None:
-    _check(
-        topk_ids.dim() == 2, lambda: f"topk_ids should be a 2d tensor [T, K], got {topk_ids.dim()}D"
-    )
-    _check(
-        topk_ids.dtype in INDEX_DTYPES,
-        lambda: f"topk_ids should be int32 or int64, got {topk_ids.dtype}",
-    )
-    _check(
-        log2phy.dim() == 2, lambda: f"log2phy should be a 2d tensor [N, R], got {log2phy.dim()}D"
-    )
-    _check(
-        log2phy.dtype in INDEX_DTYPES,
-        lambda: f"log2phy should be int32 or int64, got {log2phy.dtype}",
-    )
+    _check_kind("topk_ids", topk_ids, 2, "[T, K]")
+    _check_kind("log2phy", log2phy, 2, "[N, R]")
     _check(
         log2phy.shape[0] >= 1 and log2phy.shape[1] >= 1,
         lambda: (
@@ -140,22 +110,14 @@ def _check_map_tensors(
             f"got {list(log2phy.shape)}"
         ),
     )
-    _check(
-        replica_count.dim() == 1,
-        lambda: f"replica_count should be a 1d tensor [N], got {replica_count.dim()}D",
-    )
-    _check(
-        replica_count.dtype in INDEX_DTYPES,
-        lambda: f"replica_count should be int32 or int64, got {replica_count.dtype}",
-    )
+    _check_kind("replica_count", replica_count, 1, "[N]")
     _check(
         replica_count.shape[0] == log2phy.shape[0],
         lambda: (
             f"replica_count has {replica_count.shape[0]} experts but log2phy has {log2phy.shape[0]}"
         ),
     )
-    _check(offset.dim() == 0, lambda: f"offset should be a 0-d tensor, got {offset.dim()}D")
-    _check(offset.dtype == torch.int64, lambda: f"offset should be int64, got {offset.dtype}")
+    _check_kind("offset", offset, 0, dtypes=(torch.int64,), kind="int64")
 
 
 def _check_load(load: torch.Tensor) -> None:
@@ -164,8 +126,7 @@ def _check_load(load: torch.Tensor) -> None:
     A stride-0 view (``expand``) would make every slot's count land in one cell, so the counts
     would be silently wrong; ATen's in-place ops refuse such a target for the same reason.
     """
-    _check(load.dim() == 1, lambda: f"load should be a 1d tensor [P], got {load.dim()}D")
-    _check(load.dtype in INDEX_DTYPES, lambda: f"load should be int32 or int64, got {load.dtype}")
+    _check_kind("load", load, 1, "[P]")
     _check(load.shape[0] >= 1, "load should have at least one slot, got 0")
     _check(
         load.shape[0] == 1 or load.stride(0) != 0,
@@ -174,54 +135,65 @@ def _check_load(load: torch.Tensor) -> None:
     )
 
 
-def _check_step_flags(num_valid_tokens: torch.Tensor, record_enabled: torch.Tensor) -> None:
-    _check(
-        num_valid_tokens.dim() == 0,
-        lambda: f"num_valid_tokens should be a 0-d tensor, got {num_valid_tokens.dim()}D",
+def _check_step_flags(
+    prefix: str, num_valid_tokens: torch.Tensor, record_enabled: torch.Tensor | None = None
+) -> None:
+    """The 0-d step tensors; ``prefix`` is ``"op: "`` where the op's messages name the op."""
+    _check_kind(
+        f"{prefix}num_valid_tokens",
+        num_valid_tokens,
+        0,
+        dtypes=_INTEGER_DTYPES,
+        kind="an integer tensor",
     )
-    _check(
-        num_valid_tokens.dtype in _INTEGER_DTYPES,
-        lambda: f"num_valid_tokens should be an integer tensor, got {num_valid_tokens.dtype}",
-    )
-    _check(
-        record_enabled.dim() == 0,
-        lambda: f"record_enabled should be a 0-d tensor, got {record_enabled.dim()}D",
-    )
-    _check(
-        record_enabled.dtype == torch.bool,
-        lambda: f"record_enabled should be a bool tensor, got {record_enabled.dtype}",
-    )
-
-
-def _check_same_device(op: str, **tensors: torch.Tensor) -> None:
-    """All ``tensors`` on the first one's device; the message names the argument that is not."""
-    (first_name, first_tensor), *rest = tensors.items()
-    first = first_tensor.device
-    for name, tensor in rest:
-        _check(
-            tensor.device == first,
-            lambda name=name, tensor=tensor: (
-                f"{op}: all tensors must be on one device, got {first} and {tensor.device} "
-                f"({name} is on {tensor.device}, {first_name} on {first})"
-            ),
+    if record_enabled is not None:
+        _check_kind(
+            f"{prefix}record_enabled",
+            record_enabled,
+            0,
+            dtypes=(torch.bool,),
+            kind="a bool tensor",
         )
 
 
-def _check_load_is_private(load: torch.Tensor, read_only: dict[str, torch.Tensor]) -> None:
-    """``load`` shares no memory with an input the op reads.
+def _check_together(op: str, args: tuple[torch.Tensor, ...], written_first: bool = False) -> None:
+    """All of ``op``'s tensors on one device, and the one it writes sharing no memory with one it
+    reads; the schema names them. The first tensor (or, ``written_first``, the written one) sets
+    the device; the others are checked in schema order, as every kernel does."""
+    signature = SIGNATURES[op]
+    names, written = signature.tensors, signature.written
+    first = written if written_first and written is not None else 0
+    device = args[first].device
+    for index, tensor in enumerate(args):
+        if index != first:
+            _check(
+                tensor.device == device,
+                lambda index=index, tensor=tensor: (
+                    f"{op}: all tensors must be on one device, got {device} and {tensor.device} "
+                    f"({names[index]} is on {tensor.device}, {names[first]} on {device})"
+                ),
+            )
+    if written is not None:
+        _check_is_private(names, args, written)
 
-    The schema promises that only ``load`` is written; were it to overlap an input, the native
-    kernel (which counts while it reads, row by row) and the reference (which reads everything
+
+def _check_is_private(names: tuple[str, ...], args: tuple[torch.Tensor, ...], written: int) -> None:
+    """The tensor ``args[written]`` the op writes shares no memory with an input it reads.
+
+    The schema promises that only that tensor is written; were it to overlap an input, the native
+    kernel (which writes while it reads, row by row) and the reference (which reads everything
     first) would see different inputs and give different answers.
     """
-    for name, tensor in read_only.items():
-        _check(
-            not _overlaps(load, tensor),
-            lambda name=name: (
-                f"load shares memory with {name}; the op writes load while it reads {name}, "
-                f"so give load its own storage (clone() it)"
-            ),
-        )
+    name, target = names[written], args[written]
+    for index, tensor in enumerate(args):
+        if index != written:
+            _check(
+                not _overlaps(target, tensor),
+                lambda other=names[index]: (
+                    f"{name} shares memory with {other}; the op writes {name} while it reads "
+                    f"{other}, so give {name} its own storage (clone() it)"
+                ),
+            )
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -253,70 +225,50 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int] | None:
 HIDDEN_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def check_local_experts_args(
-    hidden: torch.Tensor,
-    slots: torch.Tensor,
-    topk_weights: torch.Tensor,
-    slot_to_local: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    stats: torch.Tensor,
-    num_valid_tokens: torch.Tensor,
-) -> None:
+def check_local_experts_args(*args: torch.Tensor) -> None:
     """Validate ``local_experts`` inputs: hidden [T, H], slots/weights [T, K], w13 [E, 2I, H],
     w2 [E, H, I] in hidden's dtype, stats [2] int64 (written), num_valid_tokens 0-d integer."""
-    op = "local_experts"
-    _check_expert_routing(op, hidden, slots, topk_weights, slot_to_local)
-    _check(
-        w13.dtype == hidden.dtype,
-        lambda: f"{op}: w13 should have hidden's dtype {hidden.dtype}, got {w13.dtype}",
-    )
-    _check(
-        w2.dtype == hidden.dtype,
-        lambda: f"{op}: w2 should have hidden's dtype {hidden.dtype}, got {w2.dtype}",
-    )
-    _check_expert_weights(op, hidden, w13, w2)
-    _check_expert_stats(op, stats, num_valid_tokens)
-    tensors = {
-        "hidden": hidden,
-        "slots": slots,
-        "topk_weights": topk_weights,
-        "slot_to_local": slot_to_local,
-        "w13": w13,
-        "w2": w2,
-        "num_valid_tokens": num_valid_tokens,
-    }
-    _check_same_device(op, stats=stats, **tensors)
-    _check_stats_is_private(stats, tensors)
+    _check_experts("local_experts", args)
 
 
-def check_local_experts_w8a8_args(
-    hidden: torch.Tensor,
-    slots: torch.Tensor,
-    topk_weights: torch.Tensor,
-    slot_to_local: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    w13_scale: torch.Tensor,
-    w2_scale: torch.Tensor,
-    stats: torch.Tensor,
-    num_valid_tokens: torch.Tensor,
-) -> None:
+def check_local_experts_w8a8_args(*args: torch.Tensor) -> None:
     """Validate ``local_experts_w8a8`` inputs: as :func:`check_local_experts_args`, with int8
     weights and float32 per-output-channel scales w13_scale [E, 2I], w2_scale [E, H]."""
-    op = "local_experts_w8a8"
-    _check_expert_routing(op, hidden, slots, topk_weights, slot_to_local)
-    _check(w13.dtype == torch.int8, lambda: f"{op}: w13 should be int8, got {w13.dtype}")
-    _check(w2.dtype == torch.int8, lambda: f"{op}: w2 should be int8, got {w2.dtype}")
+    _check_experts("local_experts_w8a8", args)
+
+
+def _check_experts(op: str, args: tuple[torch.Tensor, ...]) -> None:
+    """The checks of both expert ops, in one order; an op with scales has int8 weights."""
+    named = dict(zip(SIGNATURES[op].tensors, args, strict=True))
+    hidden, w13, w2 = named["hidden"], named["w13"], named["w2"]
+    _check_expert_routing(op, hidden, named["slots"], named["topk_weights"], named["slot_to_local"])
+    quantized = "w13_scale" in named
+    for name, weight in (("w13", w13), ("w2", w2)):
+        if quantized:
+            _check_dtype(f"{op}: {name}", weight, (torch.int8,), "int8")
+        else:
+            _check(
+                weight.dtype == hidden.dtype,
+                lambda name=name, weight=weight: (
+                    f"{op}: {name} should have hidden's dtype {hidden.dtype}, got {weight.dtype}"
+                ),
+            )
     _check_expert_weights(op, hidden, w13, w2)
+    if quantized:
+        _check_scales(op, w13, w2, named["w13_scale"], named["w2_scale"])
+    _check_expert_stats(op, named["stats"], named["num_valid_tokens"])
+    _check_together(op, args, written_first=True)
+
+
+def _check_scales(
+    op: str, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor
+) -> None:
+    """float32 per-output-channel scales: ``[E, 2I]`` for w13, ``[E, H]`` for w2."""
     for name, scale, rows in (
         ("w13_scale", w13_scale, w13.shape[1]),
         ("w2_scale", w2_scale, w2.shape[1]),
     ):
-        _check(
-            scale.dtype == torch.float32,
-            lambda name=name, scale=scale: f"{op}: {name} should be float32, got {scale.dtype}",
-        )
+        _check_dtype(f"{op}: {name}", scale, (torch.float32,), "float32")
         expected = [w13.shape[0], rows]
         _check(
             list(scale.shape) == expected,
@@ -324,20 +276,6 @@ def check_local_experts_w8a8_args(
                 f"{op}: {name} should have shape {expected}, got {list(scale.shape)}"
             ),
         )
-    _check_expert_stats(op, stats, num_valid_tokens)
-    tensors = {
-        "hidden": hidden,
-        "slots": slots,
-        "topk_weights": topk_weights,
-        "slot_to_local": slot_to_local,
-        "w13": w13,
-        "w2": w2,
-        "w13_scale": w13_scale,
-        "w2_scale": w2_scale,
-        "num_valid_tokens": num_valid_tokens,
-    }
-    _check_same_device(op, stats=stats, **tensors)
-    _check_stats_is_private(stats, tensors)
 
 
 def _check_expert_routing(
@@ -347,20 +285,8 @@ def _check_expert_routing(
     topk_weights: torch.Tensor,
     slot_to_local: torch.Tensor,
 ) -> None:
-    _check(
-        hidden.dim() == 2, lambda: f"{op}: hidden should be a 2d tensor [T, H], got {hidden.dim()}D"
-    )
-    _check(
-        hidden.dtype in HIDDEN_DTYPES,
-        lambda: f"{op}: hidden should be float32 or bfloat16, got {hidden.dtype}",
-    )
-    _check(
-        slots.dim() == 2, lambda: f"{op}: slots should be a 2d tensor [T, K], got {slots.dim()}D"
-    )
-    _check(
-        slots.dtype in INDEX_DTYPES,
-        lambda: f"{op}: slots should be int32 or int64, got {slots.dtype}",
-    )
+    _check_kind(f"{op}: hidden", hidden, 2, "[T, H]", HIDDEN_DTYPES, "float32 or bfloat16")
+    _check_kind(f"{op}: slots", slots, 2, "[T, K]")
     _check(
         slots.shape[0] == hidden.shape[0],
         lambda: f"{op}: slots has {slots.shape[0]} rows but hidden has {hidden.shape[0]}",
@@ -379,21 +305,14 @@ def _check_expert_routing(
             f"got {topk_weights.dtype}"
         ),
     )
-    _check(
-        slot_to_local.dim() == 1,
-        lambda: f"{op}: slot_to_local should be a 1d tensor [P], got {slot_to_local.dim()}D",
-    )
-    _check(
-        slot_to_local.dtype in INDEX_DTYPES,
-        lambda: f"{op}: slot_to_local should be int32 or int64, got {slot_to_local.dtype}",
-    )
+    _check_kind(f"{op}: slot_to_local", slot_to_local, 1, "[P]")
 
 
 def _check_expert_weights(
     op: str, hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
 ) -> None:
-    _check(w13.dim() == 3, lambda: f"{op}: w13 should be a 3d tensor [E, 2I, H], got {w13.dim()}D")
-    _check(w2.dim() == 3, lambda: f"{op}: w2 should be a 3d tensor [E, H, I], got {w2.dim()}D")
+    _check_rank(f"{op}: w13", w13, 3, "[E, 2I, H]")
+    _check_rank(f"{op}: w2", w2, 3, "[E, H, I]")
     _check(
         w13.shape[1] % 2 == 0,
         lambda: f"{op}: w13 should stack gate and up rows (an even dim 1), got {w13.shape[1]}",
@@ -423,26 +342,8 @@ def _check_expert_stats(op: str, stats: torch.Tensor, num_valid_tokens: torch.Te
             f"got {list(stats.shape)}"
         ),
     )
-    _check(stats.dtype == torch.int64, lambda: f"{op}: stats should be int64, got {stats.dtype}")
+    _check_dtype(f"{op}: stats", stats, (torch.int64,), "int64")
     _check(
         stats.stride(0) != 0, lambda: f"{op}: stats should be two memory cells, got a stride-0 view"
     )
-    _check(
-        num_valid_tokens.dim() == 0,
-        lambda: f"{op}: num_valid_tokens should be a 0-d tensor, got {num_valid_tokens.dim()}D",
-    )
-    _check(
-        num_valid_tokens.dtype in _INTEGER_DTYPES,
-        lambda: f"{op}: num_valid_tokens should be an integer tensor, got {num_valid_tokens.dtype}",
-    )
-
-
-def _check_stats_is_private(stats: torch.Tensor, read_only: dict[str, torch.Tensor]) -> None:
-    for name, tensor in read_only.items():
-        _check(
-            not _overlaps(stats, tensor),
-            lambda name=name: (
-                f"stats shares memory with {name}; the op writes stats while it reads {name}, "
-                f"so give stats its own storage (clone() it)"
-            ),
-        )
+    _check_step_flags(f"{op}: ", num_valid_tokens)

@@ -17,6 +17,7 @@ import torch
 
 from eplb_graph.ops.checks import check_map_and_record_args, check_map_args, check_record_args
 from eplb_graph.ops.registration import NAMESPACE
+from eplb_graph.ops.signatures import checked_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -29,25 +30,42 @@ def _kernels():
     return triton_routing
 
 
-def map_to_physical_cuda(topk_ids, log2phy, replica_count, offset):
-    check_map_args(topk_ids, log2phy, replica_count, offset)
-    return _kernels().route(topk_ids, log2phy, replica_count, offset, None, None, None)
+def _map(*args: torch.Tensor) -> torch.Tensor:
+    return _kernels().route(*args, None, None, None)  # no load: map only
 
 
-def record_load_cuda(load, physical_ids, num_valid_tokens, record_enabled):
-    check_record_args(load, physical_ids, num_valid_tokens, record_enabled)
-    _kernels().record(load, physical_ids, num_valid_tokens, record_enabled)
+def _map_and_record(*args: torch.Tensor) -> torch.Tensor:
+    return _kernels().route(*args)  # one fused pass
 
 
-def map_and_record_cuda(
-    topk_ids, log2phy, replica_count, offset, load, num_valid_tokens, record_enabled
-):
-    check_map_and_record_args(
-        topk_ids, log2phy, replica_count, offset, load, num_valid_tokens, record_enabled
-    )
-    return _kernels().route(
-        topk_ids, log2phy, replica_count, offset, load, num_valid_tokens, record_enabled
-    )
+def _record(*args: torch.Tensor) -> None:
+    _kernels().record(*args)
+
+
+map_to_physical_cuda = checked_kernel(
+    "map_to_physical",
+    check_map_args,
+    _map,
+    __name__,
+    "map_to_physical_cuda",
+    "``map_to_physical`` for CUDA.",
+)
+record_load_cuda = checked_kernel(
+    "record_load",
+    check_record_args,
+    _record,
+    __name__,
+    "record_load_cuda",
+    "``record_load`` for CUDA.",
+)
+map_and_record_cuda = checked_kernel(
+    "map_and_record",
+    check_map_and_record_args,
+    _map_and_record,
+    __name__,
+    "map_and_record_cuda",
+    "``map_and_record`` for CUDA: one fused pass.",
+)
 
 
 def install() -> bool:

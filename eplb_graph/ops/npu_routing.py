@@ -26,7 +26,8 @@ import torch
 
 from eplb_graph.errors import EplbError
 from eplb_graph.ops.checks import check_map_and_record_args, check_map_args, check_record_args
-from eplb_graph.ops.reference import GOLDEN_HASH
+from eplb_graph.ops.reference import GOLDEN_HASH, map_then_record
+from eplb_graph.ops.signatures import checked_kernel
 
 _LOW32 = 0xFFFFFFFF
 _LOW16 = 0xFFFF
@@ -165,28 +166,30 @@ def _record(load, physical_ids, num_valid_tokens, record_enabled) -> None:
     load.scatter_add_(0, safe_ids, counted.reshape(-1).to(load.dtype))
 
 
-def map_to_physical_npu(topk_ids, log2phy, replica_count, offset) -> torch.Tensor:
-    """``map_to_physical`` for PrivateUse1: same result as the reference, capturable."""
-    check_map_args(topk_ids, log2phy, replica_count, offset)
-    return _map(topk_ids, log2phy, replica_count, offset)
-
-
-def record_load_npu(load, physical_ids, num_valid_tokens, record_enabled) -> None:
-    """``record_load`` for PrivateUse1 (in place on ``load``)."""
-    check_record_args(load, physical_ids, num_valid_tokens, record_enabled)
-    _record(load, physical_ids, num_valid_tokens, record_enabled)
-
-
-def map_and_record_npu(
-    topk_ids, log2phy, replica_count, offset, load, num_valid_tokens, record_enabled
-) -> torch.Tensor:
-    """``map_and_record`` for PrivateUse1: every input checked before anything runs."""
-    check_map_and_record_args(
-        topk_ids, log2phy, replica_count, offset, load, num_valid_tokens, record_enabled
-    )
-    physical = _map(topk_ids, log2phy, replica_count, offset)
-    _record(load, physical, num_valid_tokens, record_enabled)
-    return physical
+map_to_physical_npu = checked_kernel(
+    "map_to_physical",
+    check_map_args,
+    _map,
+    __name__,
+    "map_to_physical_npu",
+    """``map_to_physical`` for PrivateUse1: same result as the reference, capturable.""",
+)
+record_load_npu = checked_kernel(
+    "record_load",
+    check_record_args,
+    _record,
+    __name__,
+    "record_load_npu",
+    """``record_load`` for PrivateUse1 (in place on ``load``).""",
+)
+map_and_record_npu = checked_kernel(
+    "map_and_record",
+    check_map_and_record_args,
+    map_then_record(_map, _record),
+    __name__,
+    "map_and_record_npu",
+    """``map_and_record`` for PrivateUse1: every input checked before anything runs.""",
+)
 
 
 #: Every aten op the kernels above call, for the capture audit (docs/ascend.md lists each one's

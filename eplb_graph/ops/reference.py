@@ -12,6 +12,8 @@ inductor decomposition traces:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -22,6 +24,7 @@ from eplb_graph.ops.checks import (
     check_map_args,
     check_record_args,
 )
+from eplb_graph.ops.signatures import MAPPED, checked_kernel
 
 #: Knuth's multiplicative hash constant (floor(2**32 / golden ratio)); upstream vLLM's rule.
 GOLDEN_HASH = 2654435769
@@ -101,52 +104,56 @@ def _record_load(
     load.scatter_add_(0, safe_ids, counted.reshape(-1).to(load.dtype))
 
 
-def map_to_physical_ref(
-    topk_ids: torch.Tensor,
-    log2phy: torch.Tensor,
-    replica_count: torch.Tensor,
-    offset: torch.Tensor,
-) -> torch.Tensor:
-    """Logical ids ``[T, K]`` -> physical slots ``[T, K]`` (same dtype); invalid ids -> -1."""
-    check_map_args(topk_ids, log2phy, replica_count, offset)
-    return _map_to_physical(topk_ids, log2phy, replica_count, offset)
+def map_then_record(
+    map_fn: Callable[..., torch.Tensor], record_fn: Callable[..., None]
+) -> Callable[..., torch.Tensor]:
+    """``map_and_record`` from a device's map and record formulations: map, record the result.
+
+    Why composed here: every unfused kernel splits the fused op's arguments the same way.
+    """
+
+    def compute(*args: torch.Tensor) -> torch.Tensor:
+        physical = map_fn(*args[:MAPPED])
+        record_fn(args[MAPPED], physical, *args[MAPPED + 1 :])
+        return physical
+
+    return compute
 
 
-def record_load_ref(
-    load: torch.Tensor,
-    physical_ids: torch.Tensor,
-    num_valid_tokens: torch.Tensor,
-    record_enabled: torch.Tensor,
-) -> None:
+map_to_physical_ref = checked_kernel(
+    "map_to_physical",
+    check_map_args,
+    _map_to_physical,
+    __name__,
+    "map_to_physical_ref",
+    """Logical ids ``[T, K]`` -> physical slots ``[T, K]`` (same dtype); invalid ids -> -1.""",
+)
+
+record_load_ref = checked_kernel(
+    "record_load",
+    check_record_args,
+    _record_load,
+    __name__,
+    "record_load_ref",
     """Add one to ``load[physical_ids[t, k]]`` for every valid (t, k), in place.
 
     Row t counts iff ``record_enabled`` and ``t < num_valid_tokens``; ids outside ``[0, P)``
     (the -1 of an invalid logical id) never count. The flag is applied arithmetically, so a
     disabled step still runs the same kernels (graph-safe, no branch on device data).
-    """
-    check_record_args(load, physical_ids, num_valid_tokens, record_enabled)
-    _record_load(load, physical_ids, num_valid_tokens, record_enabled)
+    """,
+)
 
-
-def map_and_record_ref(
-    topk_ids: torch.Tensor,
-    log2phy: torch.Tensor,
-    replica_count: torch.Tensor,
-    offset: torch.Tensor,
-    load: torch.Tensor,
-    num_valid_tokens: torch.Tensor,
-    record_enabled: torch.Tensor,
-) -> torch.Tensor:
+map_and_record_ref = checked_kernel(
+    "map_and_record",
+    check_map_and_record_args,
+    map_then_record(_map_to_physical, _record_load),
+    __name__,
+    "map_and_record_ref",
     """``map_to_physical`` followed by ``record_load`` of its result; returns the physical ids.
 
     Every input of both halves is checked first, so a bad ``load`` fails before anything runs.
-    """
-    check_map_and_record_args(
-        topk_ids, log2phy, replica_count, offset, load, num_valid_tokens, record_enabled
-    )
-    physical = _map_to_physical(topk_ids, log2phy, replica_count, offset)
-    _record_load(load, physical, num_valid_tokens, record_enabled)
-    return physical
+    """,
+)
 
 
 # -- expert compute ------------------------------------------------------------------------------
@@ -246,57 +253,44 @@ class _W8A8:
         return _swiglu_w8a8(x, self.w13[e], self.w2[e], self.w13_scale[e], self.w2_scale[e])
 
 
-def local_experts_ref(
-    hidden: torch.Tensor,
-    slots: torch.Tensor,
-    topk_weights: torch.Tensor,
-    slot_to_local: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    stats: torch.Tensor,
-    num_valid_tokens: torch.Tensor,
-    weight_on_input: bool = False,
-) -> torch.Tensor:
-    """The oracle of ``local_experts`` (semantics: :func:`eplb_graph.ops.local_experts`)."""
-    check_local_experts_args(
-        hidden, slots, topk_weights, slot_to_local, w13, w2, stats, num_valid_tokens
-    )
-    expert = _Unquantized(w13, w2)
-    return _combine_experts(
-        hidden, slots, topk_weights, slot_to_local, stats, num_valid_tokens, weight_on_input, expert
-    )
+def _experts(expert_type: type) -> Callable[..., torch.Tensor]:
+    """Both expert ops' oracle: the weights (and scales) between ``slot_to_local`` and ``stats``,
+    the schemas' only difference, build ``expert_type``."""
+
+    def compute(*args) -> torch.Tensor:
+        hidden, slots, topk_weights, slot_to_local, *weights = args[:-3]
+        stats, num_valid_tokens, weight_on_input = args[-3:]
+        return _combine_experts(
+            hidden,
+            slots,
+            topk_weights,
+            slot_to_local,
+            stats,
+            num_valid_tokens,
+            weight_on_input,
+            expert_type(*weights),
+        )
+
+    return compute
 
 
-def local_experts_w8a8_ref(
-    hidden: torch.Tensor,
-    slots: torch.Tensor,
-    topk_weights: torch.Tensor,
-    slot_to_local: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    w13_scale: torch.Tensor,
-    w2_scale: torch.Tensor,
-    stats: torch.Tensor,
-    num_valid_tokens: torch.Tensor,
-    weight_on_input: bool = False,
-) -> torch.Tensor:
+local_experts_ref = checked_kernel(
+    "local_experts",
+    check_local_experts_args,
+    _experts(_Unquantized),
+    __name__,
+    "local_experts_ref",
+    """The oracle of ``local_experts`` (semantics: :func:`eplb_graph.ops.local_experts`).""",
+)
+
+local_experts_w8a8_ref = checked_kernel(
+    "local_experts_w8a8",
+    check_local_experts_w8a8_args,
+    _experts(_W8A8),
+    __name__,
+    "local_experts_w8a8_ref",
     """The oracle of ``local_experts_w8a8``.
 
     Semantics: :func:`eplb_graph.ops.local_experts_w8a8`.
-    """
-    check_local_experts_w8a8_args(
-        hidden,
-        slots,
-        topk_weights,
-        slot_to_local,
-        w13,
-        w2,
-        w13_scale,
-        w2_scale,
-        stats,
-        num_valid_tokens,
-    )
-    expert = _W8A8(w13, w2, w13_scale, w2_scale)
-    return _combine_experts(
-        hidden, slots, topk_weights, slot_to_local, stats, num_valid_tokens, weight_on_input, expert
-    )
+    """,
+)

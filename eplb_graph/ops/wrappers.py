@@ -3,23 +3,41 @@
 These are what model code calls; torch.compile sees the underlying op (one node, no graph break)
 and captured device graphs replay its kernel. Every argument is a tensor, so changing a value
 (offset, valid-token count, record flag) never recompiles or re-captures.
+
+Each entry point takes its op's schema as its Python signature (``signatures``): the op already
+checks and converts its arguments, so re-spelling them here would only be one more list to keep
+in step with the schema.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 import eplb_graph.ops.registration  # noqa: F401  (defines the schemas before any call)
+from eplb_graph.ops.signatures import SIGNATURES, with_signature
 
 _OPS = torch.ops.eplb_graph
 
 
-def map_to_physical(
-    topk_ids: torch.Tensor,
-    log2phy: torch.Tensor,
-    replica_count: torch.Tensor,
-    offset: torch.Tensor,
-) -> torch.Tensor:
+def _entry_point(name: str, doc: str) -> Callable[..., Any]:
+    """The entry point of op ``name``: calls its ``.default`` overload with the arguments given.
+
+    A call with too few or unknown arguments raises ``TypeError`` as a Python function would.
+    """
+    handle = getattr(_OPS, name).default
+    signature = SIGNATURES[name]
+
+    def entry_point(*args, **kwargs):
+        return handle(*signature.arguments(args, kwargs))
+
+    return with_signature(name, entry_point, __name__, name, doc)
+
+
+map_to_physical = _entry_point(
+    "map_to_physical",
     """Map logical expert ids to physical slots.
 
     Args:
@@ -38,16 +56,11 @@ def map_to_physical(
     ``topk_ids``' dtype holds, falls back to the row's replica 0 (a torn refresh), and to -1 if
     that is no usable slot either; an entry ``>= P`` is returned as is (and never counted).
     Shapes, dtypes and devices are checked; a bad one raises ``RuntimeError`` naming the argument.
-    """
-    return _OPS.map_to_physical.default(topk_ids, log2phy, replica_count, offset)
+    """,
+)
 
-
-def record_load(
-    load: torch.Tensor,
-    physical_ids: torch.Tensor,
-    num_valid_tokens: torch.Tensor,
-    record_enabled: torch.Tensor,
-) -> None:
+record_load = _entry_point(
+    "record_load",
     """Count executed (token, slot) pairs into ``load`` in place.
 
     Args:
@@ -58,40 +71,20 @@ def record_load(
         num_valid_tokens: 0-d integer, any value; rows at or beyond it are padding and not
             counted (a negative value counts nothing, one above T counts every row).
         record_enabled: 0-d bool; when False nothing is counted (the kernel still runs).
-    """
-    _OPS.record_load.default(load, physical_ids, num_valid_tokens, record_enabled)
+    """,
+)
 
-
-def map_and_record(
-    topk_ids: torch.Tensor,
-    log2phy: torch.Tensor,
-    replica_count: torch.Tensor,
-    offset: torch.Tensor,
-    load: torch.Tensor,
-    num_valid_tokens: torch.Tensor,
-    record_enabled: torch.Tensor,
-) -> torch.Tensor:
+map_and_record = _entry_point(
+    "map_and_record",
     """``map_to_physical`` then ``record_load`` of its output, as one op (one pass natively).
 
     Shapes and rules as in :func:`map_to_physical` and :func:`record_load`; every argument is
     checked before anything is written. Returns ``[T, K]`` slots.
-    """
-    return _OPS.map_and_record.default(
-        topk_ids, log2phy, replica_count, offset, load, num_valid_tokens, record_enabled
-    )
+    """,
+)
 
-
-def local_experts(
-    hidden: torch.Tensor,
-    slots: torch.Tensor,
-    topk_weights: torch.Tensor,
-    slot_to_local: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    stats: torch.Tensor,
-    num_valid_tokens: torch.Tensor,
-    weight_on_input: bool = False,
-) -> torch.Tensor:
+local_experts = _entry_point(
+    "local_experts",
     """This rank's share of a SwiGLU MoE layer: only the (token, k) rows routed to local slots.
 
     Why an op: expert parallelism only pays when a rank's work follows the placement. The output
@@ -119,33 +112,11 @@ def local_experts(
         The K-sum is accumulated in float32; bf16 rounds ``G x, U x``, the SwiGLU product and
         ``W2 (...)`` to bf16 once each (GEMMs accumulate in fp32), then the sum once. A row's
         result does not depend on which other rows share its expert (batch invariant).
-    """
-    return _OPS.local_experts.default(
-        hidden,
-        slots,
-        topk_weights,
-        slot_to_local,
-        w13,
-        w2,
-        stats,
-        num_valid_tokens,
-        weight_on_input,
-    )
+    """,
+)
 
-
-def local_experts_w8a8(
-    hidden: torch.Tensor,
-    slots: torch.Tensor,
-    topk_weights: torch.Tensor,
-    slot_to_local: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    w13_scale: torch.Tensor,
-    w2_scale: torch.Tensor,
-    stats: torch.Tensor,
-    num_valid_tokens: torch.Tensor,
-    weight_on_input: bool = False,
-) -> torch.Tensor:
+local_experts_w8a8 = _entry_point(
+    "local_experts_w8a8",
     """:func:`local_experts` for W8A8 weights: int8 ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` with
     float32 per-output-channel scales ``w13_scale [E, 2I]``, ``w2_scale [E, H]``.
 
@@ -153,17 +124,5 @@ def local_experts_w8a8(
     clamp to +-127), multiplied by the int8 weights with float32 sums (exact while the integer
     sum stays below 2**24), rescaled ``acc * x_scale * w_scale``; the SwiGLU output is
     quantized the same way before ``w2``. This is the demo model's format.
-    """
-    return _OPS.local_experts_w8a8.default(
-        hidden,
-        slots,
-        topk_weights,
-        slot_to_local,
-        w13,
-        w2,
-        w13_scale,
-        w2_scale,
-        stats,
-        num_valid_tokens,
-        weight_on_input,
-    )
+    """,
+)
