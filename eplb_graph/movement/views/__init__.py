@@ -9,6 +9,7 @@ Formats that cannot keep this contract are rejected by name when the view is bui
 - :mod:`.payload`: the payload layout engine, :class:`PackedSlotView`, and its fields.
 - :mod:`.nz`: fractal NZ <-> ND conversion (payloads are always ND).
 - :mod:`.checks`: the shape, dtype and layout checks the formats state.
+- :mod:`.table`: a per-expert format's table of tensors, from which its constructor derives.
 - :mod:`.formats`: the concrete formats (unquantized, W8A8, W4A8, strided, internal layout).
 - :mod:`.cpu_int8`: vLLM's CPU int8 experts (VNNI-packed weights, compensation, scales).
 - :mod:`.cpu_int4`: vLLM's CPU int4 experts (blocked int4 weights, group scales, zero points).

@@ -30,6 +30,7 @@ class FormatChecker:
 
     def __init__(self, format_name: str, layout: str = "nd") -> None:
         self.format_name = format_name
+        self.layout = layout
         if layout not in LAYOUTS:
             self.fail(f"weight_layout must be one of {LAYOUTS}, got {layout!r}")
         self.num_slots: int | None = None

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from eplb_graph.movement.views import table
 from eplb_graph.movement.views.checks import FormatChecker
-from eplb_graph.movement.views.payload import PackedSlotView, SlotField
 from eplb_graph.movement.views.registry import _keyword_factory, register_weight_format
 
 #: The weight block (rows, columns) one scale covers: vLLM's online per-block FP8 and the
@@ -29,30 +29,19 @@ def _blocks(size: int, block: int) -> int:
     return (size + block - 1) // block
 
 
-class CpuFp8BlockView(PackedSlotView):
+class CpuFp8BlockView(table.TensorTableView):
     """``w13`` fp8 ``[S, 2I, H]``, ``w2`` fp8 ``[S, H, I]`` (packed per expert), ``w13_scale``
     float32 ``[S, ceil(2I/128), ceil(H/128)]``, ``w2_scale`` float32 ``[S, ceil(H/128),
     ceil(I/128)]``; every byte of a slot moves."""
 
     FORMAT = "cpu_fp8_block"
+    TENSORS = (*table.WEIGHTS, "w13_scale", "w2_scale")
 
-    def __init__(
-        self,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
-        w13_scale: torch.Tensor,
-        w2_scale: torch.Tensor,
-    ) -> None:
-        check = FormatChecker(self.FORMAT)
-        w13_shape = check.tensor("w13", w13, 3, FP8_DTYPES)
-        w2_shape = check.tensor("w2", w2, 3, FP8_DTYPES)
+    def _lay_out(self, check: FormatChecker, tensors: table.Tensors) -> table.Layout:
+        w13_shape, w2_shape, fields = table.expert_weights(check, tensors, FP8_DTYPES)
         check.gated_mlp(w13_shape, w2_shape)
-        fields = [SlotField("w13", w13, w13.__getitem__), SlotField("w2", w2, w2.__getitem__)]
-        for name, scale, weight in (
-            ("w13_scale", w13_scale, w13_shape),
-            ("w2_scale", w2_scale, w2_shape),
-        ):
-            shape = check.tensor(name, scale, 3, (torch.float32,))
+        for name, weight in (("w13_scale", w13_shape), ("w2_scale", w2_shape)):
+            shape = check.tensor(name, tensors[name], 3, (torch.float32,))
             stem = name.removesuffix("_scale")
             for dim, block in ((1, BLOCK[0]), (2, BLOCK[1])):
                 check.equal(
@@ -60,8 +49,8 @@ class CpuFp8BlockView(PackedSlotView):
                     shape[dim],
                     _blocks(weight[dim], block),
                 )
-            fields.append(SlotField(name, scale, scale.__getitem__))
-        super().__init__(self.FORMAT, w13_shape[0], fields)
+            fields.append(table.leading_field(name, tensors[name]))
+        return fields, {}
 
 
 register_weight_format(CpuFp8BlockView.FORMAT, _keyword_factory(CpuFp8BlockView))

@@ -12,31 +12,23 @@ from __future__ import annotations
 
 import torch
 
+from eplb_graph.movement.views import table
 from eplb_graph.movement.views.checks import FormatChecker
-from eplb_graph.movement.views.payload import PackedSlotView, SlotField
 
 
-class CpuInt4PackedView(PackedSlotView):
+class CpuInt4PackedView(table.TensorTableView):
     """``w13``/``w2`` uint8 ``[S, Nb, Kb, bytes]``, ``*_scale`` float32 and ``*_zp`` int8
     ``[S, Nb, Kb, block]`` (one per output channel of each tile); every byte of a slot moves."""
 
     FORMAT = "cpu_int4_packed"
+    TENSORS = (*table.WEIGHTS, "w13_scale", "w2_scale", "w13_zp", "w2_zp")
 
-    def __init__(
-        self,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
-        w13_scale: torch.Tensor,
-        w2_scale: torch.Tensor,
-        w13_zp: torch.Tensor,
-        w2_zp: torch.Tensor,
-    ) -> None:
-        check = FormatChecker(self.FORMAT)
+    def _lay_out(self, check: FormatChecker, tensors: table.Tensors) -> table.Layout:
+        """Payload order is per matrix (``w13``, its scales, its zero points, then ``w2``'s), so
+        each tile's three tensors sit together."""
         fields = []
-        for stem, weight, scale, zero in (
-            ("w13", w13, w13_scale, w13_zp),
-            ("w2", w2, w2_scale, w2_zp),
-        ):
+        for stem in table.WEIGHTS:
+            weight, scale, zero = (tensors[f"{stem}{part}"] for part in ("", "_scale", "_zp"))
             tiles = check.tensor(stem, weight, 4, (torch.uint8,))
             scales = check.tensor(f"{stem}_scale", scale, 4, (torch.float32,))
             zeros = check.tensor(f"{stem}_zp", zero, 4, (torch.int8,))
@@ -51,8 +43,8 @@ class CpuInt4PackedView(PackedSlotView):
                     f"{list(tiles[1:3])} (blocked by convert_weight_packed_scale_zp?)"
                 )
             fields += [
-                SlotField(stem, weight, weight.__getitem__),
-                SlotField(f"{stem}_scale", scale, scale.__getitem__),
-                SlotField(f"{stem}_zp", zero, zero.__getitem__),
+                table.leading_field(stem, weight),
+                table.leading_field(f"{stem}_scale", scale),
+                table.leading_field(f"{stem}_zp", zero),
             ]
-        super().__init__(self.FORMAT, check.num_slots or 0, fields)
+        return fields, {}

@@ -13,30 +13,23 @@ from __future__ import annotations
 
 import torch
 
+from eplb_graph.movement.views import table
 from eplb_graph.movement.views.checks import FormatChecker
-from eplb_graph.movement.views.payload import PackedSlotView, SlotField
 
 #: Bytes the CPU int8 packing appends to every row (one int32 compensation term).
 COMPENSATION_BYTES = 4
 
 
-class CpuInt8PackedView(PackedSlotView):
+class CpuInt8PackedView(table.TensorTableView):
     """``w13`` int8 ``[S, 2I, H + 4]``, ``w2`` int8 ``[S, H, I + 4]`` (packed, compensation
     included), ``w13_scale`` float32 ``[S, 2I]`` or ``[S, 2I, 1]``, ``w2_scale`` float32
     ``[S, H]`` or ``[S, H, 1]``; every byte of a slot moves."""
 
     FORMAT = "cpu_int8_packed"
+    TENSORS = (*table.WEIGHTS, "w13_scale", "w2_scale")
 
-    def __init__(
-        self,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
-        w13_scale: torch.Tensor,
-        w2_scale: torch.Tensor,
-    ) -> None:
-        check = FormatChecker(self.FORMAT)
-        w13_shape = check.tensor("w13", w13, 3, (torch.int8,))
-        w2_shape = check.tensor("w2", w2, 3, (torch.int8,))
+    def _lay_out(self, check: FormatChecker, tensors: table.Tensors) -> table.Layout:
+        w13_shape, w2_shape, fields = table.expert_weights(check, tensors, (torch.int8,))
         hidden, intermediate = w2_shape[1], w13_shape[1] // 2
         check.equal("gate+up rows: w13.shape[1] is even", w13_shape[1] % 2, 0)
         check.equal(
@@ -49,11 +42,8 @@ class CpuInt8PackedView(PackedSlotView):
             w2_shape[2],
             intermediate + COMPENSATION_BYTES,
         )
-        fields = [SlotField("w13", w13, w13.__getitem__), SlotField("w2", w2, w2.__getitem__)]
-        for name, scale, rows in (
-            ("w13_scale", w13_scale, 2 * intermediate),
-            ("w2_scale", w2_scale, hidden),
-        ):
+        for name, rows in (("w13_scale", 2 * intermediate), ("w2_scale", hidden)):
+            scale = tensors[name]
             dims = scale.dim() if isinstance(scale, torch.Tensor) else 0
             if dims not in (2, 3):
                 check.fail(f"{name!r} must be [S, {rows}] or [S, {rows}, 1], got {dims}-D")
@@ -61,5 +51,5 @@ class CpuInt8PackedView(PackedSlotView):
             check.equal(f"{name}.shape[1] (output channels)", shape[1], rows)
             if dims == 3:
                 check.equal(f"{name}.shape[2] (one scale per channel)", shape[2], 1)
-            fields.append(SlotField(name, scale, scale.__getitem__))
-        super().__init__(self.FORMAT, w13_shape[0], fields)
+            fields.append(table.leading_field(name, scale))
+        return fields, {}

@@ -13,13 +13,13 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-from eplb_graph.movement.views.checks import FormatChecker, layout_format_name
+from eplb_graph.movement.views import table
+from eplb_graph.movement.views.checks import FormatChecker
 from eplb_graph.movement.views.contract import UnsupportedWeightFormat
-from eplb_graph.movement.views.nz import nd_as_nz, nz_to_nd_shape
 from eplb_graph.movement.views.payload import PackedSlotView, SlotField
 
 
-class UnquantizedView(PackedSlotView):
+class UnquantizedView(table.TensorTableView):
     """Float experts: ``w13 [S, 2I, H]``, ``w2 [S, H, I]``, optional ``w13_bias [S, 2I]`` and
     ``w2_bias [S, H]``; any floating dtype (all tensors the same).
 
@@ -28,33 +28,25 @@ class UnquantizedView(PackedSlotView):
     """
 
     FORMAT = "unquantized"
+    TENSORS = table.WEIGHTS
+    OPTIONAL_TENSORS = ("w13_bias", "w2_bias")
+    WEIGHT_LAYOUT = True
 
-    def __init__(
-        self,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
-        w13_bias: torch.Tensor | None = None,
-        w2_bias: torch.Tensor | None = None,
-        *,
-        weight_layout: str = "nd",
-    ) -> None:
-        check, w13_shape, w2_shape, fields = _gated_mlp_weights(
-            self.FORMAT, weight_layout, w13, w2, floating=True
-        )
-        for name, bias, width in (
-            ("w13_bias", w13_bias, w13_shape[1]),
-            ("w2_bias", w2_bias, w2_shape[1]),
-        ):
+    def _lay_out(self, check: FormatChecker, tensors: table.Tensors) -> table.Layout:
+        w13_shape, w2_shape, fields = table.expert_weights(check, tensors, floating=True)
+        check.gated_mlp(w13_shape, w2_shape)
+        for name, width in (("w13_bias", w13_shape[1]), ("w2_bias", w2_shape[1])):
+            bias = tensors[name]
             if bias is None:
                 continue
             shape = check.tensor(name, bias, 2)
-            check.same_dtype(("w13", w13), (name, bias))
+            check.same_dtype(("w13", tensors["w13"]), (name, bias))
             check.equal(f"{name}.shape[1]", shape[1], width)
-            fields.append(_leading_field(name, bias))
-        super().__init__(check.format_name, w13_shape[0], fields)
+            fields.append(table.leading_field(name, bias))
+        return fields, {}
 
 
-class W8A8View(PackedSlotView):
+class W8A8View(table.TensorTableView):
     """Int8 experts with per-channel scales, moved as one payload per expert.
 
     Moved: ``w13`` int8 ``[S, 2I, H]``, ``w2`` int8 ``[S, H, I]``, ``w13_scale`` fp32 ``[S, 2I]``,
@@ -71,59 +63,28 @@ class W8A8View(PackedSlotView):
     """
 
     FORMAT = "w8a8"
+    #: The weights, then their per-channel scales (moved, in this order after the weights).
+    TENSORS = (*table.WEIGHTS, "w13_scale", "w2_scale", "w13_fused_scale", "w2_fused_scale")
+    #: Offsets: checked, not moved.
+    OPTIONAL_TENSORS = ("w13_offset", "w2_offset")
+    WEIGHT_LAYOUT = True
     _PACK = 1  # values per stored int8
 
-    def __init__(
-        self,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
-        w13_scale: torch.Tensor,
-        w2_scale: torch.Tensor,
-        w13_fused_scale: torch.Tensor,
-        w2_fused_scale: torch.Tensor,
-        w13_offset: torch.Tensor | None = None,
-        w2_offset: torch.Tensor | None = None,
-        *,
-        weight_layout: str = "nd",
-    ) -> None:
-        self._build(
-            weight_layout,
-            w13,
-            w2,
-            dict(
-                w13_scale=w13_scale,
-                w2_scale=w2_scale,
-                w13_fused_scale=w13_fused_scale,
-                w2_fused_scale=w2_fused_scale,
-            ),
-            dict(w13_offset=w13_offset, w2_offset=w2_offset),
-        )
-
-    def _build(
-        self,
-        weight_layout: str,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
-        scales: dict[str, torch.Tensor],
-        offsets: dict[str, torch.Tensor | None],
-    ) -> None:
-        """Check and lay out the int weights, their per-channel ``scales`` (moved, in payload
-        order after the weights) and ``offsets`` (checked, not moved)."""
-        check, w13_shape, w2_shape, fields = _gated_mlp_weights(
-            self.FORMAT, weight_layout, w13, w2, pack=self._PACK, dtypes=(torch.int8,)
-        )
+    def _lay_out(self, check: FormatChecker, tensors: table.Tensors) -> table.Layout:
+        w13_shape, w2_shape, fields = table.expert_weights(check, tensors, (torch.int8,))
+        check.gated_mlp(w13_shape, w2_shape, self._PACK)
         widths = {"w13": w13_shape[1], "w2": w2_shape[1]}
-        for name, tensor in scales.items():
+        for name in self.TENSORS[len(table.WEIGHTS) :]:
             dtype = torch.int64 if name.endswith("fused_scale") else torch.float32
-            _check_per_output_channel(check, name, tensor, widths, (dtype,))
-            fields.append(_leading_field(name, tensor))
+            _check_per_output_channel(check, name, tensors[name], widths, (dtype,))
+            fields.append(table.leading_field(name, tensors[name]))
         unmoved = {}
-        for name, tensor in offsets.items():
-            if tensor is None:
+        for name in self.OPTIONAL_TENSORS:
+            if tensors[name] is None:
                 continue
-            _check_per_output_channel(check, name, tensor, widths)
-            unmoved[name] = tensor
-        super().__init__(check.format_name, w13_shape[0], fields, unmoved=unmoved)
+            _check_per_output_channel(check, name, tensors[name], widths)
+            unmoved[name] = tensors[name]
+        return fields, unmoved
 
 
 class W4A8View(W8A8View):
@@ -135,37 +96,8 @@ class W4A8View(W8A8View):
     """
 
     FORMAT = "w4a8"
+    TENSORS = (*W8A8View.TENSORS, "w13_scale_bias", "w2_scale_bias")
     _PACK = 2
-
-    def __init__(
-        self,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
-        w13_scale: torch.Tensor,
-        w2_scale: torch.Tensor,
-        w13_fused_scale: torch.Tensor,
-        w2_fused_scale: torch.Tensor,
-        w13_scale_bias: torch.Tensor,
-        w2_scale_bias: torch.Tensor,
-        w13_offset: torch.Tensor | None = None,
-        w2_offset: torch.Tensor | None = None,
-        *,
-        weight_layout: str = "nd",
-    ) -> None:
-        self._build(
-            weight_layout,
-            w13,
-            w2,
-            dict(
-                w13_scale=w13_scale,
-                w2_scale=w2_scale,
-                w13_fused_scale=w13_fused_scale,
-                w2_fused_scale=w2_fused_scale,
-                w13_scale_bias=w13_scale_bias,
-                w2_scale_bias=w2_scale_bias,
-            ),
-            dict(w13_offset=w13_offset, w2_offset=w2_offset),
-        )
 
 
 class StridedPackedView(PackedSlotView):
@@ -227,7 +159,7 @@ class InternalLayoutView(PackedSlotView):
     ``[H1*h0, F1*f0]``. A slot's block cannot be sent as a view (its bytes are not the ND values),
     so the payload carries ND: ``pack_slot`` converts the block into the contiguous ND payload
     section (``to_nd``), ``unpack_slot_`` converts the ND section back (``from_nd``) and
-    ``copy_``s it into the ORIGINAL storage. Tensors not named in ``nz_names`` are plain
+    ``copy_``s it into the ORIGINAL storage. table.Tensors not named in ``nz_names`` are plain
     ``[S, ...]`` tensors (scales, biases) moved as they are.
 
     Args:
@@ -264,39 +196,12 @@ class InternalLayoutView(PackedSlotView):
                 check.tensor(name, tensor, tensor.dim())
             else:
                 check.fail(f"{name!r} must be a tensor with a leading expert dimension")
-            fields.append(_leading_field(name, tensor, nz))
+            fields.append(table.leading_field(name, tensor, nz))
         assert check.num_slots is not None
         super().__init__(format_name, check.num_slots, fields)
 
 
 # -- building blocks shared by the formats above --------------------------------------------------
-
-
-def _gated_mlp_weights(
-    base_format: str,
-    weight_layout: str,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    *,
-    pack: int = 1,
-    dtypes: Iterable[torch.dtype] | None = None,
-    floating: bool = False,
-) -> tuple[FormatChecker, tuple[int, ...], tuple[int, ...], list[SlotField]]:
-    """Check an expert's gate+up (``w13``) and down (``w2``) projections and make their fields.
-
-    Every gated-MLP format starts the same way: its name follows the storage layout, both weights
-    are ``[S, ...]`` (in NZ when the layout says so) of one dtype, and their shapes fit one MLP
-    (``pack`` values per stored element). Returns the checker, to go on with the format's other
-    tensors, the ND shapes of ``w13`` and ``w2``, and their two fields.
-    """
-    check = FormatChecker(layout_format_name(base_format, weight_layout), weight_layout)
-    nz = weight_layout == "nz"
-    w13_shape = check.tensor("w13", w13, 3, dtypes, floating=floating, nz=nz)
-    w2_shape = check.tensor("w2", w2, 3, dtypes, floating=floating, nz=nz)
-    check.same_dtype(("w13", w13), ("w2", w2))
-    check.gated_mlp(w13_shape, w2_shape, pack)
-    fields = [_leading_field("w13", w13, nz), _leading_field("w2", w2, nz)]
-    return check, w13_shape, w2_shape, fields
 
 
 def _check_per_output_channel(
@@ -310,20 +215,6 @@ def _check_per_output_channel(
     owner = name.split("_", 1)[0]
     shape = check.tensor(name, tensor, 2, dtypes)
     check.equal(f"{name}.shape[1] (output channels of {owner})", shape[1], widths[owner])
-
-
-def _leading_field(name: str, tensor: torch.Tensor, nz: bool = False) -> SlotField:
-    """A field whose expert dimension is dim 0 (``tensor[slot]``), optionally in NZ layout."""
-    if not nz:
-        return SlotField(name, tensor, tensor.__getitem__)
-    h0, f0 = tensor.shape[-2], tensor.shape[-1]
-    return SlotField(
-        name,
-        tensor,
-        tensor.__getitem__,
-        payload_shape=nz_to_nd_shape(tensor.shape[1:]),
-        payload_as_slot=lambda payload: nd_as_nz(payload, h0, f0),
-    )
 
 
 def _selector(tensor: torch.Tensor, dim: int) -> Callable[[int], torch.Tensor]:
