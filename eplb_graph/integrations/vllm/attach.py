@@ -145,7 +145,10 @@ def start(
     placement = settings.initial_placement
     loaded = (model.num_moe_layers, model.num_logical_experts, model.num_redundant_experts, ep_size)
     configured = placement and (
-        placement.num_layers, placement.num_logical, placement.num_redundant, placement.num_ranks
+        placement.num_layers,
+        placement.num_logical,
+        placement.num_redundant,
+        placement.num_ranks,
     )
     if configured != loaded:  # one source of truth: a mismatch is a bug, never served through
         raise RuntimeError(
