@@ -9,8 +9,8 @@ Importing this package registers ``torch.ops.eplb_graph.*`` (see ``eplb_graph.op
 - ``ControlSettings``, ``MovementSettings``: its plain settings objects;
 - ``GroupRing``: the gloo groups EPLB moves weights over (never the serving group);
 - ``make_expert_view``: the weight view of one layer's experts, by format;
-- ``parse_cli_args``, ``resolve_eplb_config``, ``to_runtime_settings``: vLLM / vllm-ascend EPLB
-  settings, validated once and turned into the settings objects above;
+- ``parse_cli_args``, ``resolve_eplb_config``: vLLM / vllm-ascend EPLB settings, validated once
+  and turned into ``RuntimeSettings`` (the settings objects above, the starting placement);
 - ``EplbError``: the base of every error the package raises on purpose.
 
 Why the names load lazily: importing torch takes seconds, and ``eplb-graph --help`` or a usage
@@ -44,11 +44,11 @@ _PUBLIC = {
     "MovementSettings": "eplb_graph.movement.settings",
     "Placement": "eplb_graph.placement",
     "PlacementError": "eplb_graph.tables",
+    "RuntimeSettings": "eplb_graph.integrations.settings",
     "make_expert_view": "eplb_graph.movement.views",
     "parse_cli_args": "eplb_graph.integrations.settings",
     "resolve_eplb_config": "eplb_graph.integrations.settings",
     "supported_formats": "eplb_graph.movement.views",
-    "to_runtime_settings": "eplb_graph.integrations.settings",
 }
 
 __all__ = [
@@ -64,11 +64,11 @@ __all__ = [
     "MovementSettings",
     "Placement",
     "PlacementError",
+    "RuntimeSettings",
     "make_expert_view",
     "parse_cli_args",
     "resolve_eplb_config",
     "supported_formats",
-    "to_runtime_settings",
 ]
 __version__ = "0.1.0"
 

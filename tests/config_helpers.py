@@ -7,14 +7,14 @@ from typing import Any
 import pytest
 
 from eplb_graph import Placement
-from eplb_graph.integrations.settings import ConfigError, ResolvedEplbConfig, resolve_eplb_config
+from eplb_graph.integrations.settings import ConfigError, RuntimeSettings, resolve_eplb_config
 from eplb_graph.policy import policy_names
 
 #: The policies registered when the tests start; passed explicitly so a resolve is hermetic.
 NAMES: tuple[str, ...] = tuple(policy_names())
 
 
-def resolve(**overrides: Any) -> ResolvedEplbConfig:
+def resolve(**overrides: Any) -> RuntimeSettings | None:
     """resolve_eplb_config with a fixed policy list and an empty environment (hermetic)."""
     arguments: dict[str, Any] = {
         "enable_eplb": False,

@@ -7,12 +7,13 @@ import re
 
 import pytest
 
-from eplb_graph.integrations.settings import EplbConfig, EplbPath, parse_cli_args
+from eplb_graph import ControlSettings
+from eplb_graph.integrations.settings import parse_cli_args, resolve_eplb_config
 from tests.config_helpers import NAMES, legacy, raises
 
 
 def test_parse_dotted_keys_with_space_and_equals():
-    args = parse_cli_args(
+    args, rest = parse_cli_args(
         [
             "serve",
             "model",
@@ -27,18 +28,18 @@ def test_parse_dotted_keys_with_space_and_equals():
             "16",
         ]
     )
-    assert args.enable_eplb
-    assert args.eplb_config == {
+    assert args["enable_eplb"]
+    assert args["eplb_config"] == {
         "window_size": 50,
         "step_interval": 60,
         "use_async": False,
         "log_balancedness": True,
     }
-    assert args.rest == ("serve", "model", "--tensor-parallel-size", "16")
+    assert rest == ("serve", "model", "--tensor-parallel-size", "16")
 
 
 def test_parse_json_eplb_config_and_additional_config():
-    args = parse_cli_args(
+    args, _ = parse_cli_args(
         [
             "--enable_eplb",
             "--eplb-config",
@@ -47,10 +48,13 @@ def test_parse_json_eplb_config_and_additional_config():
             '{"eplb_config": {"load_collection_phase": "prefill"}, "other": true}',
         ]
     )
-    assert args.eplb_config == {"window_size": 100, "policy": "default"}
-    assert args.additional_config["eplb_config"] == {"load_collection_phase": "prefill"}
-    resolved = args.resolve(num_experts=128, ep_size=16, policy_names=NAMES, environ={})
-    assert resolved.v2.window_size == 100 and resolved.v2.load_collection_phase == "prefill"
+    assert args["eplb_config"] == {"window_size": 100, "policy": "default"}
+    assert args["additional_config"]["eplb_config"] == {"load_collection_phase": "prefill"}
+    settings = resolve_eplb_config(
+        **args, num_experts=128, ep_size=16, policy_names=NAMES, environ={}
+    )
+    assert settings.control.window_size == 100
+    assert settings.control.load_collection_phase.value == "prefill"
 
 
 def test_parse_user_guide_command_line_resolves():
@@ -65,25 +69,27 @@ def test_parse_user_guide_command_line_resolves():
         "--additional-config",
         '{"eplb_config":{"load_collection_phase":"all"}}',
     ]
-    resolved = parse_cli_args(argv).resolve(
-        num_experts=128, ep_size=16, policy_names=NAMES, environ={}
+    args, rest = parse_cli_args(argv)
+    assert rest == ("--tensor-parallel-size", "16", "--enable-expert-parallel")
+    settings = resolve_eplb_config(
+        **args, num_experts=128, ep_size=16, policy_names=NAMES, environ={}
     )
-    assert resolved.v2 == EplbConfig(
-        window_size=50,
-        step_interval=50,
-        num_redundant_experts=16,
-        use_async=True,
-        log_balancedness=True,
+    assert settings.control == ControlSettings(
+        window_size=50, step_interval=50, log_balancedness=True, log_balancedness_interval=1
     )
+    assert settings.num_redundant_experts == 16 and settings.use_async
 
 
 def test_parse_legacy_additional_config_resolves_to_legacy():
-    args = parse_cli_args(
+    args, _ = parse_cli_args(
         ["--additional-config", json.dumps(legacy(dynamic_eplb=True, eplb_policy_type=3))]
     )
-    assert not args.enable_eplb and args.eplb_config is None
-    resolved = args.resolve(num_experts=64, ep_size=4, policy_names=NAMES, environ={})
-    assert resolved.path is EplbPath.LEGACY and resolved.policy == "flash_lb"
+    assert not args["enable_eplb"] and args["eplb_config"] is None
+    settings = resolve_eplb_config(
+        **args, num_experts=64, ep_size=4, policy_names=NAMES, environ={}
+    )
+    # The legacy cycle (600 collected + 50 for the policy) with the type's policy.
+    assert settings.control.step_interval == 650 and settings.control.policy == "flash_lb"
 
 
 def test_parse_coercion_errors_name_the_field():
@@ -98,8 +104,8 @@ def test_parse_coercion_errors_name_the_field():
 
 
 def test_parse_text_none_clears_optional_field_and_enable_eplb_false():
-    args = parse_cli_args(["--enable-eplb=false", "--eplb-config.communicator", "none"])
-    assert not args.enable_eplb and args.eplb_config == {"communicator": None}
+    args, _ = parse_cli_args(["--enable-eplb=false", "--eplb-config.communicator", "none"])
+    assert not args["enable_eplb"] and args["eplb_config"] == {"communicator": None}
 
 
 def test_parse_unknown_or_misplaced_dotted_key():
@@ -146,9 +152,9 @@ def test_parse_missing_values_and_dotted_additional_config():
 
 
 def test_parse_stops_at_double_dash():
-    args = parse_cli_args(["--enable-eplb", "--", "--eplb-config.window_size", "x"])
-    assert args.enable_eplb and args.eplb_config is None
-    assert args.rest == ("--", "--eplb-config.window_size", "x")
+    args, rest = parse_cli_args(["--enable-eplb", "--", "--eplb-config.window_size", "x"])
+    assert args["enable_eplb"] and args["eplb_config"] is None
+    assert rest == ("--", "--eplb-config.window_size", "x")
 
 
 @pytest.mark.parametrize(
@@ -163,8 +169,10 @@ def test_parse_integer_text_is_plain_ascii_decimal(text):
 
 
 def test_parse_integer_text_neighbours_still_accepted():
-    args = parse_cli_args(["--eplb-config.window_size", " 1000\t", "--eplb-config.step_interval=7"])
-    assert args.eplb_config == {"window_size": 1000, "step_interval": 7}
+    args, _ = parse_cli_args(
+        ["--eplb-config.window_size", " 1000\t", "--eplb-config.step_interval=7"]
+    )
+    assert args["eplb_config"] == {"window_size": 1000, "step_interval": 7}
     with raises("eplb_config.window_size", "must be >= 1, got -5"):
         parse_cli_args(["--eplb-config.window_size", "-5"])
     with raises("eplb_config.window_size", "must be <= 1048576, got 1048577"):
@@ -202,12 +210,12 @@ def test_parse_duplicate_json_keys_are_rejected_naming_the_key():
 def test_parse_duplicate_neighbours_are_unchanged():
     with raises("eplb_config.window_size", r"given twice \(--eplb-config.window_size and --eplb"):
         parse_cli_args(["--eplb-config.window_size", "5", "--eplb-config", '{"window_size": 6}'])
-    args = parse_cli_args(
+    args, _ = parse_cli_args(
         ["--eplb-config", '{"window_size": 5}', "--eplb-config", '{"step_interval": 6}']
     )
-    assert args.eplb_config == {"window_size": 5, "step_interval": 6}
-    args = parse_cli_args(["--additional-config", '{"a": {"k": 1}, "b": {"k": 1}}'])
-    assert args.additional_config == {"a": {"k": 1}, "b": {"k": 1}}
+    assert args["eplb_config"] == {"window_size": 5, "step_interval": 6}
+    args, _ = parse_cli_args(["--additional-config", '{"a": {"k": 1}, "b": {"k": 1}}'])
+    assert args["additional_config"] == {"a": {"k": 1}, "b": {"k": 1}}
 
 
 @pytest.mark.parametrize(
@@ -232,5 +240,5 @@ def test_parse_json_nesting_and_number_size_are_bounded():
     with raises("eplb_config.window_size", "has 101 digits"):
         parse_cli_args(["--eplb-config", '{"window_size": 1' + "0" * 100 + "}"])
     # Other features' values are theirs: NaN is left to them, as a lenient parser would.
-    args = parse_cli_args(["--additional-config", '{"other": NaN}'])
-    assert args.additional_config["other"] != args.additional_config["other"]
+    args, _ = parse_cli_args(["--additional-config", '{"other": NaN}'])
+    assert args["additional_config"]["other"] != args["additional_config"]["other"]

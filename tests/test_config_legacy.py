@@ -23,7 +23,7 @@ def test_legacy_defaults_match_vllm_ascend():
 @pytest.mark.parametrize(("policy_type", "name"), sorted(LEGACY_POLICY_TYPES.items()))
 def test_legacy_policy_type_maps_to_registered_names(policy_type, name):
     config = resolve(additional_config=legacy(dynamic_eplb=True, eplb_policy_type=policy_type))
-    assert config.policy == name
+    assert config.control.policy == name
 
 
 def test_legacy_policy_type_mapping_is_vllm_ascends():

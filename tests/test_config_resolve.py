@@ -6,14 +6,8 @@ import logging
 
 import pytest
 
-from eplb_graph import Placement
-from eplb_graph.integrations.settings import (
-    EplbConfig,
-    EplbPath,
-    LegacyEplbConfig,
-    ResolvedEplbConfig,
-    known_policy_names,
-)
+from eplb_graph import ControlSettings, Placement
+from eplb_graph.integrations.settings import EplbConfig, LegacyEplbConfig, known_policy_names
 from tests.config_helpers import NAMES, legacy, raises, resolve, write_map
 
 
@@ -23,17 +17,21 @@ def test_resolve_v2_happy_path_isolated_from_legacy():
         eplb_config={"window_size": 50, "step_interval": 50, "num_redundant_experts": 16},
         additional_config={"eplb_config": {"load_collection_phase": "prefill"}, "other": 1},
     )
-    assert resolved.path is EplbPath.V2 and resolved.enabled
-    assert resolved.legacy is None and resolved.expert_map is None
-    assert resolved.v2 == EplbConfig(
-        window_size=50, step_interval=50, num_redundant_experts=16, load_collection_phase="prefill"
+    assert resolved.control == ControlSettings(
+        window_size=50, step_interval=50, load_collection_phase="prefill", policy="default"
     )
-    assert (resolved.num_physical_experts, resolved.policy) == (80, "default")
+    assert resolved.num_physical_experts == 80 and resolved.record_map_path is None
+    assert resolved.initial_placement is None  # no layer count given: no model yet
 
 
 def test_resolve_v2_with_defaults_only():
-    resolved = resolve(enable_eplb=True)
-    assert resolved.v2 == EplbConfig() and resolved.num_redundant_experts == 0
+    resolved = resolve(enable_eplb=True, num_layers=2)
+    defaults = EplbConfig()
+    assert resolved.control == ControlSettings(
+        window_size=defaults.window_size, step_interval=defaults.step_interval
+    )
+    assert resolved.num_redundant_experts == 0 and resolved.use_async
+    assert resolved.initial_placement == Placement.default(2, 64, 0, 4)
 
 
 def test_resolve_v2_unknown_policy_is_rejected_with_suggestion():
@@ -59,13 +57,13 @@ def test_policy_names_are_read_from_the_registry_at_call_time(monkeypatch):
     monkeypatch.setitem(registry._POLICIES, "late_policy", registry.get_policy("default"))
     assert "late_policy" in known_policy_names()
     resolved = resolve(enable_eplb=True, eplb_config={"policy": "late_policy"}, policy_names=None)
-    assert resolved.policy == "late_policy"
+    assert resolved.control.policy == "late_policy"
 
 
 @pytest.mark.parametrize("policy", NAMES)
 def test_resolve_v2_async_is_accepted_with_every_policy(policy):
     resolved = resolve(enable_eplb=True, eplb_config={"use_async": True, "policy": policy})
-    assert resolved.v2.use_async and resolved.policy == policy
+    assert resolved.use_async and resolved.control.policy == policy
 
 
 @pytest.mark.parametrize("ep_size", [1, 0])
@@ -104,7 +102,7 @@ def test_resolve_v2_slots_must_divide_over_ep_ranks():
 def test_resolve_v2_window_larger_than_interval_is_capped_with_a_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="eplb_graph.integrations.settings.resolve"):
         resolved = resolve(enable_eplb=True, eplb_config={"window_size": 500, "step_interval": 100})
-    assert resolved.v2.window_size == 500 and resolved.v2.effective_window_size == 100
+    assert (resolved.control.window_size, resolved.control.step_interval) == (100, 100)
     assert "window_size=500 exceeds step_interval=100" in caplog.text
     assert EplbConfig(window_size=10, step_interval=100).effective_window_size == 10
 
@@ -150,7 +148,7 @@ def test_resolve_mixing_eplb_config_with_top_level_legacy_key_names_both():
 def test_resolve_legacy_environment_switch_with_v2_is_rejected(flag):
     with raises(flag, rf"environment variable {flag} is a legacy .* --enable-eplb .*unset it"):
         resolve(enable_eplb=True, environ={flag: "true"})
-    assert resolve(enable_eplb=True, environ={flag: "false"}).path is EplbPath.V2
+    assert resolve(enable_eplb=True, environ={flag: "false"}).rebalances
 
 
 def test_resolve_eplb_config_without_enable_eplb_is_rejected():
@@ -161,7 +159,7 @@ def test_resolve_eplb_config_without_enable_eplb_is_rejected():
 def test_resolve_load_collection_phase_requires_enable_eplb():
     with raises("additional_config.eplb_config.load_collection_phase", "requires --enable-eplb"):
         resolve(additional_config=legacy(load_collection_phase="decode"))
-    assert resolve(additional_config=legacy(load_collection_phase="all")).path is EplbPath.DISABLED
+    assert resolve(additional_config=legacy(load_collection_phase="all")) is None
 
 
 def test_resolve_load_collection_phase_with_legacy_keys_points_to_heat_stage():
@@ -188,22 +186,8 @@ def test_resolve_rejects_non_mapping_inputs():
 
 
 def test_resolve_disabled_ignores_model_sizes_and_unrelated_keys():
-    resolved = resolve(ep_size=1, num_experts=3, additional_config={"ascend_scheduler": {}})
-    assert resolved.path is EplbPath.DISABLED and not resolved.enabled
-    assert (resolved.v2, resolved.legacy, resolved.policy, resolved.num_redundant_experts) == (
-        None,
-        None,
-        None,
-        0,
-    )
-    assert resolve(additional_config=legacy(dynamic_eplb=False)).path is EplbPath.DISABLED
-
-
-def test_resolved_config_carries_only_its_own_path():
-    with pytest.raises(ValueError, match="must carry only its config"):
-        ResolvedEplbConfig(EplbPath.V2, 8, 2, v2=EplbConfig(), legacy=LegacyEplbConfig())
-    with pytest.raises(ValueError, match="must carry only its config"):
-        ResolvedEplbConfig(EplbPath.DISABLED, 8, 2, v2=EplbConfig())
+    assert resolve(ep_size=1, num_experts=3, additional_config={"ascend_scheduler": {}}) is None
+    assert resolve(additional_config=legacy(dynamic_eplb=False)) is None
 
 
 def test_resolve_legacy_dynamic_happy_path():
@@ -217,9 +201,11 @@ def test_resolve_legacy_dynamic_happy_path():
             eplb_heat_collection_stage="prefill",
         )
     )
-    assert resolved.path is EplbPath.LEGACY and resolved.v2 is None
-    assert resolved.legacy.mode == "dynamic" and resolved.policy == "swift_balance"
-    assert resolved.num_physical_experts == 80
+    # The legacy world's cycle: collect 100 steps, then 20 for the policy.
+    assert resolved.control == ControlSettings(
+        window_size=100, step_interval=120, load_collection_phase="prefill", policy="swift_balance"
+    )
+    assert resolved.num_physical_experts == 80 and resolved.record_map_path is None
 
 
 def test_legacy_policy_type_must_select_a_registered_policy():
@@ -240,7 +226,8 @@ def test_legacy_keys_without_enabling_are_rejected():
 
 def test_legacy_top_level_spelling_is_accepted_and_named_in_errors():
     resolved = resolve(additional_config={"dynamic_eplb": True, "num_redundant_experts": 4})
-    assert resolved.path is EplbPath.LEGACY and resolved.num_redundant_experts == 4
+    assert resolved.rebalances and resolved.num_redundant_experts == 4
+    assert resolved.control.step_interval == 650  # the legacy cycle's defaults: 600 + 50
     with raises("additional_config.algorithm_execution_interval", "must be >= 1, got 0"):
         resolve(additional_config={"dynamic_eplb": True, "algorithm_execution_interval": 0})
 
@@ -260,12 +247,12 @@ def test_legacy_needs_expert_parallelism_and_divisible_slots():
 def test_legacy_record_path_forces_dynamic_on(tmp_path, caplog):
     target = str(tmp_path / "record.json")
     resolved = resolve(additional_config=legacy(expert_map_record_path=target))
-    assert resolved.legacy.dynamic_eplb and resolved.legacy.mode == "record"
+    assert resolved.rebalances and resolved.record_map_path == target
     with caplog.at_level(logging.WARNING, logger="eplb_graph.integrations.settings.resolve"):
         resolved = resolve(
             additional_config=legacy(dynamic_eplb=False, expert_map_record_path=target)
         )
-    assert resolved.legacy.dynamic_eplb and "forces dynamic_eplb on" in caplog.text
+    assert resolved.rebalances and "forces dynamic_eplb on" in caplog.text
     assert LegacyEplbConfig(expert_map_record_path=target).dynamic_eplb
 
 
@@ -273,10 +260,10 @@ def test_legacy_static_map_is_loaded_and_sets_redundancy(tmp_path):
     placement = Placement.default(2, 64, 4, 4)
     path = write_map(tmp_path / "map.json", placement)
     resolved = resolve(additional_config=legacy(expert_map_path=path))
-    assert resolved.legacy.mode == "static" and resolved.expert_map == placement
-    assert resolved.num_redundant_experts == 4 and resolved.policy == "swift_balance"
+    assert not resolved.rebalances and resolved.initial_placement == placement
+    assert resolved.num_redundant_experts == 4
     resolved = resolve(additional_config=legacy(expert_map_path=path, num_redundant_experts=4))
-    assert resolved.legacy.num_redundant_experts == 4
+    assert resolved.num_redundant_experts == 4
 
 
 def test_legacy_static_map_content_is_validated_at_init(tmp_path):

@@ -1,4 +1,4 @@
-"""From a resolved configuration to the core's settings: every validated field is consumed."""
+"""From a host's configuration to the core's settings: every validated field is consumed."""
 
 from __future__ import annotations
 
@@ -11,13 +11,8 @@ import eplb_graph
 from eplb_graph import Placement
 from eplb_graph.control import CollectionPhase, ControlSettings
 from eplb_graph.integrations.settings import (
-    EplbConfig,
-    EplbPath,
-    LegacyEplbConfig,
-    ResolvedEplbConfig,
     control_settings_from_legacy,
     control_settings_from_v2,
-    to_runtime_settings,
 )
 from tests.config_helpers import legacy, raises, resolve, write_map
 
@@ -53,7 +48,7 @@ def test_settings_from_a_legacy_config_follow_its_collection_cycle():
 
 
 def test_v2_runtime_settings_consume_every_field():
-    resolved = resolve(
+    settings = resolve(
         enable_eplb=True,
         eplb_config={
             "window_size": 40,
@@ -66,9 +61,10 @@ def test_v2_runtime_settings_consume_every_field():
             "communicator": "torch_gloo",
         },
         additional_config={"eplb_config": {"load_collection_phase": "prefill"}},
-    )
-    settings = to_runtime_settings(
-        resolved, num_layers=3, num_groups=8, num_nodes=2, time_samples=4
+        num_layers=3,
+        num_groups=8,
+        num_nodes=2,
+        time_samples=4,
     )
     assert settings.control == ControlSettings(
         window_size=40,
@@ -87,12 +83,12 @@ def test_v2_runtime_settings_consume_every_field():
 
 
 def test_v2_automatic_communicator_is_gloo_staging():
-    settings = to_runtime_settings(resolve(enable_eplb=True), num_layers=1)
+    settings = resolve(enable_eplb=True, num_layers=1)
     assert settings.communicator == "torch_gloo" and settings.use_async
 
 
 def test_legacy_dynamic_runtime_settings_follow_the_cycle():
-    resolved = resolve(
+    settings = resolve(
         additional_config=legacy(
             dynamic_eplb=True,
             expert_heat_collection_interval=100,
@@ -100,9 +96,9 @@ def test_legacy_dynamic_runtime_settings_follow_the_cycle():
             eplb_policy_type=3,
             num_redundant_experts=4,
             eplb_heat_collection_stage="decode",
-        )
+        ),
+        num_layers=2,
     )
-    settings = to_runtime_settings(resolved, num_layers=2)
     assert (settings.control.window_size, settings.control.step_interval) == (100, 120)
     assert settings.control.policy == "flash_lb"
     assert settings.control.load_collection_phase is CollectionPhase.DECODE
@@ -112,9 +108,7 @@ def test_legacy_dynamic_runtime_settings_follow_the_cycle():
 
 def test_legacy_record_mode_passes_the_record_path(tmp_path):
     target = str(tmp_path / "record.json")
-    settings = to_runtime_settings(
-        resolve(additional_config=legacy(expert_map_record_path=target)), num_layers=1
-    )
+    settings = resolve(additional_config=legacy(expert_map_record_path=target), num_layers=1)
     assert settings.record_map_path == target and settings.use_async and settings.rebalances
 
 
@@ -122,24 +116,18 @@ def test_legacy_map_is_the_initial_placement(tmp_path):
     rotated = [*range(4, 64), *range(4), *range(30, 34)]
     placement = Placement.default(2, 64, 4, 4).with_layer(0, rotated)
     path = write_map(tmp_path / "map.json", placement)
-    static_config = resolve(additional_config=legacy(expert_map_path=path))
-    static = to_runtime_settings(static_config, num_layers=2)
+    static = resolve(additional_config=legacy(expert_map_path=path), num_layers=2)
     assert static.initial_placement == placement and not static.rebalances
-    dynamic_config = resolve(additional_config=legacy(expert_map_path=path, dynamic_eplb=True))
-    dynamic = to_runtime_settings(dynamic_config, num_layers=2)
+    dynamic = resolve(
+        additional_config=legacy(expert_map_path=path, dynamic_eplb=True), num_layers=2
+    )
     assert dynamic.initial_placement == placement and dynamic.rebalances
     with raises("expert_map_path", "the map has 2 MoE layers but the model has 3"):
-        to_runtime_settings(static_config, num_layers=3)
+        resolve(additional_config=legacy(expert_map_path=path), num_layers=3)
 
 
-def test_disabled_path_has_no_runtime_settings():
-    with pytest.raises(ValueError, match="EPLB is disabled"):
-        to_runtime_settings(ResolvedEplbConfig(EplbPath.DISABLED, 8, 2), num_layers=1)
-
-
-def test_resolved_paths_carry_the_schema_of_their_world():
-    assert isinstance(resolve(enable_eplb=True).v2, EplbConfig)
-    assert isinstance(resolve(additional_config=legacy(dynamic_eplb=True)).legacy, LegacyEplbConfig)
+def test_disabled_eplb_has_no_runtime_settings():
+    assert resolve(num_layers=1) is None
 
 
 def _core_modules():

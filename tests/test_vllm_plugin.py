@@ -310,7 +310,7 @@ def engine_args(tmp_path_factory):
 
 @pytest.mark.vllm
 def test_vllm_accepts_eplb_on_cpu_with_the_plugin(engine_args):
-    from eplb_graph.integrations.settings import resolve_eplb_config, to_runtime_settings
+    from eplb_graph.integrations.settings import resolve_eplb_config
     from eplb_graph.integrations.vllm.settings import eplb_settings
 
     config = engine_args(
@@ -322,17 +322,48 @@ def test_vllm_accepts_eplb_on_cpu_with_the_plugin(engine_args):
     assert (settings.control.window_size, settings.control.step_interval) == (4, 8)
     assert settings.movement.layers_per_step == 2
     assert settings.num_redundant_experts == 2 and settings.use_async
-    # The one settings path every host takes: vLLM's settings are to_runtime_settings' value.
-    resolved = resolve_eplb_config(
+    # The one settings path every host takes: vLLM's settings are resolve_eplb_config's value.
+    expected = resolve_eplb_config(
         enable_eplb=True,
         eplb_config={"window_size": 4, "step_interval": 8, "num_redundant_experts": 2},
         additional_config=None,
         num_experts=config.model_config.get_num_experts(),
         ep_size=config.parallel_config.tensor_parallel_size,
+        num_layers=2,
     )
-    expected = to_runtime_settings(resolved, num_layers=2)
     assert settings.initial_placement == expected.initial_placement
     assert settings.move_to is None and settings.record_map_path is None
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize(
+    ("experts", "redundant", "ranks"),
+    [(6, 2, 2), (8, 0, 2), (8, 2, 4)],
+    ids=["experts", "redundant", "ranks"],
+)
+def test_attach_refuses_a_model_that_disagrees_with_vllms_configuration(
+    engine_args, experts, redundant, ranks
+):
+    """One source of truth: a loaded model whose experts, redundancy or EP ranks differ from
+    what vLLM's configuration says is a bug to stop at attach, before anything is bound."""
+    from eplb_graph.integrations.vllm import attach
+
+    config = engine_args().create_engine_config()
+    model = types.SimpleNamespace(
+        num_moe_layers=2, num_logical_experts=experts, num_redundant_experts=redundant
+    )
+    group = types.SimpleNamespace(rank_in_group=0, world_size=ranks, ranks=list(range(ranks)))
+    bound = []
+    with pytest.raises(RuntimeError, match=r"are \(2, 8, 2, 2\) in vLLM's configuration but"):
+        attach.start(
+            types.SimpleNamespace(vllm_config=config),
+            model,
+            group,
+            bind=lambda *args: bound.append(args),
+            weight_views=lambda model: [],
+            record_load=lambda rank: True,
+        )
+    assert bound == []
 
 
 @pytest.mark.vllm

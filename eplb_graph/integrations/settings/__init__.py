@@ -2,30 +2,25 @@
 
 A host integration feeds the values it holds (vLLM's ``enable_eplb``, the fields of
 ``ParallelConfig.eplb_config``, the ``additional_config`` dict) to :func:`resolve_eplb_config`,
-which checks every setting at initialization and decides the path (disabled, V2 or legacy); then
-:func:`to_runtime_settings` turns the result into what ``EplbState`` and ``EplbRuntime`` take.
-:func:`parse_cli_args` does the same starting from a command line. Every rejection is a
+which checks every setting at initialization, decides the world (V2 or legacy) and returns
+:class:`RuntimeSettings`, what ``EplbState`` and ``EplbRuntime`` take (``None``: EPLB is off).
+:func:`parse_cli_args` gives its arguments from a command line. Every rejection is a
 :class:`ConfigError` naming the field as the user spelled it. Reference: docs/configuration.md.
 
 Modules, by job: ``fields`` (typed field machinery, :class:`ConfigError`), ``v2``
 (:class:`EplbConfig`), ``legacy`` (:class:`LegacyEplbConfig`), ``resolve`` (which world a run
-uses), ``cli_args`` (command-line spellings), ``runtime_settings`` (conversion to the core).
+uses, every check), ``cli_args`` (command-line spellings), ``runtime_settings`` (the core's
+settings and the conversion to them).
 """
 
-from eplb_graph.integrations.settings.cli_args import EplbCliArgs, parse_cli_args
+from eplb_graph.integrations.settings.cli_args import parse_cli_args
 from eplb_graph.integrations.settings.fields import ConfigError
 from eplb_graph.integrations.settings.legacy import LEGACY_POLICY_TYPES, LegacyEplbConfig
-from eplb_graph.integrations.settings.resolve import (
-    EplbPath,
-    ResolvedEplbConfig,
-    known_policy_names,
-    resolve_eplb_config,
-)
+from eplb_graph.integrations.settings.resolve import known_policy_names, resolve_eplb_config
 from eplb_graph.integrations.settings.runtime_settings import (
     RuntimeSettings,
     control_settings_from_legacy,
     control_settings_from_v2,
-    to_runtime_settings,
 )
 from eplb_graph.integrations.settings.v2 import SUPPORTED_COMMUNICATORS, EplbConfig
 
@@ -33,16 +28,12 @@ __all__ = [
     "LEGACY_POLICY_TYPES",
     "SUPPORTED_COMMUNICATORS",
     "ConfigError",
-    "EplbCliArgs",
     "EplbConfig",
-    "EplbPath",
     "LegacyEplbConfig",
-    "ResolvedEplbConfig",
     "RuntimeSettings",
     "control_settings_from_legacy",
     "control_settings_from_v2",
     "known_policy_names",
     "parse_cli_args",
     "resolve_eplb_config",
-    "to_runtime_settings",
 ]

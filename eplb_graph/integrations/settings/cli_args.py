@@ -2,49 +2,22 @@
 
 For a launcher or a test that holds an argument list rather than vLLM's config objects:
 :func:`parse_cli_args` picks out ``--enable-eplb``, ``--eplb-config`` and ``--additional-config``,
-types their values, and leaves every other argument in :attr:`EplbCliArgs.rest`.
+types their values as the keyword arguments of
+:func:`~eplb_graph.integrations.settings.resolve.resolve_eplb_config`, and hands every other
+argument back untouched::
+
+    eplb_arguments, rest = parse_cli_args(argv)
+    settings = resolve_eplb_config(**eplb_arguments, num_experts=N, ep_size=ranks)
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 from eplb_graph import strict_json
 from eplb_graph.integrations.settings.fields import ADDITIONAL, V2_PREFIX, ConfigError, coerce
-from eplb_graph.integrations.settings.resolve import ResolvedEplbConfig, resolve_eplb_config
 from eplb_graph.integrations.settings.v2 import EplbConfig
-
-
-@dataclass(frozen=True)
-class EplbCliArgs:
-    """The EPLB part of a command line, parsed and typed; ``rest`` holds every other argument."""
-
-    enable_eplb: bool = False
-    eplb_config: dict[str, Any] | None = None
-    additional_config: dict[str, Any] | None = None
-    rest: tuple[str, ...] = ()
-
-    def resolve(
-        self,
-        *,
-        num_experts: int,
-        ep_size: int,
-        policy_names: Sequence[str] | None = None,
-        environ: Mapping[str, str] | None = None,
-    ) -> ResolvedEplbConfig:
-        """:func:`resolve_eplb_config` on these arguments."""
-        return resolve_eplb_config(
-            enable_eplb=self.enable_eplb,
-            eplb_config=self.eplb_config,
-            additional_config=self.additional_config,
-            num_experts=num_experts,
-            ep_size=ep_size,
-            policy_names=policy_names,
-            environ=environ,
-        )
-
 
 #: The longest integer literal read from a command-line JSON object, in digits. No setting (ours,
 #: or another feature's in ``--additional-config``) needs more, and converting a longer one costs
@@ -74,8 +47,13 @@ def _load_json_object(name: str, option: str, text: str, example: str) -> dict[s
     return value
 
 
-def parse_cli_args(argv: Sequence[str]) -> EplbCliArgs:
+def parse_cli_args(argv: Sequence[str]) -> tuple[dict[str, Any], tuple[str, ...]]:
     """Parse the EPLB options of a serve command line.
+
+    Returns ``(eplb_arguments, rest)``: ``eplb_arguments`` are ``enable_eplb``, ``eplb_config``
+    (the fields given, typed; ``None`` if none) and ``additional_config`` (``None`` if not
+    given), the keyword arguments of ``resolve_eplb_config``; ``rest`` is every other argument,
+    in order.
 
     Understands ``--enable-eplb``, ``--eplb-config.<field> VALUE`` / ``--eplb-config.<field>=VALUE``
     (text coerced by the field's type), ``--eplb-config '<json object>'`` and
@@ -158,9 +136,9 @@ def parse_cli_args(argv: Sequence[str]) -> EplbCliArgs:
                 )
             v2[field_key] = EplbConfig.coerce_field(field_key, raw, from_text=from_text)
             v2_source[field_key] = source
-    return EplbCliArgs(
-        enable_eplb=enable,
-        eplb_config=v2 or None,
-        additional_config=additional,
-        rest=tuple(rest),
-    )
+    eplb_arguments = {
+        "enable_eplb": enable,
+        "eplb_config": v2 or None,
+        "additional_config": additional,
+    }
+    return eplb_arguments, tuple(rest)

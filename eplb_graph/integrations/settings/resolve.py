@@ -11,8 +11,9 @@ Two configuration worlds exist, and they must not leak into each other (invarian
 
 :func:`resolve_eplb_config` takes the values as a host engine holds them (``enable_eplb``, the
 ``eplb_config`` fields as a mapping, the whole ``additional_config`` dict), checks all of them at
-initialization, before any device state exists (invariant 7), and returns a
-:class:`ResolvedEplbConfig` that carries exactly one validated config, never both.
+initialization, before any device state exists (invariant 7), and returns the core's
+:class:`~.runtime_settings.RuntimeSettings` built from exactly one of the two worlds (``None``
+when EPLB is off): nothing of the other world's settings reaches the runtime.
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ import dataclasses
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
 from eplb_graph.control.phases import CollectionPhase
@@ -37,6 +36,11 @@ from eplb_graph.integrations.settings.fields import (
     suggest,
 )
 from eplb_graph.integrations.settings.legacy import LegacyEplbConfig, v2_equivalent
+from eplb_graph.integrations.settings.runtime_settings import (
+    RuntimeSettings,
+    settings_from_legacy,
+    settings_from_v2,
+)
 from eplb_graph.integrations.settings.v2 import EplbConfig
 from eplb_graph.placement import Placement
 from eplb_graph.policy import policy_names as registered_policy_names
@@ -45,63 +49,6 @@ logger = logging.getLogger(__name__)
 
 #: vllm-ascend's Model Runner V1 environment switches; they must not be set with V2.
 LEGACY_ENV_FLAGS: tuple[str, ...] = ("DYNAMIC_EPLB", "EXPERT_MAP_RECORD")
-
-
-class EplbPath(str, Enum):
-    """Which configuration world a run uses; exactly one, decided once."""
-
-    DISABLED = "disabled"
-    V2 = "v2"
-    LEGACY = "legacy"
-
-
-@dataclass(frozen=True)
-class ResolvedEplbConfig:
-    """The validated outcome of :func:`resolve_eplb_config`.
-
-    Exactly one of ``v2`` / ``legacy`` is set for an enabled path and neither for ``disabled``,
-    so code on one path cannot read the other's settings (invariant 8).
-
-    Attributes:
-        expert_map: the legacy ``expert_map_path`` map, loaded and validated against
-            ``num_experts`` and ``ep_size`` (``None`` otherwise).
-    """
-
-    path: EplbPath
-    num_experts: int
-    ep_size: int
-    v2: EplbConfig | None = None
-    legacy: LegacyEplbConfig | None = None
-    expert_map: Placement | None = None
-
-    def __post_init__(self) -> None:
-        expected = {
-            EplbPath.DISABLED: (False, False),
-            EplbPath.V2: (True, False),
-            EplbPath.LEGACY: (False, True),
-        }[self.path]
-        if (self.v2 is not None, self.legacy is not None) != expected:
-            raise ValueError(f"ResolvedEplbConfig({self.path.value}) must carry only its config")
-
-    @property
-    def enabled(self) -> bool:
-        return self.path is not EplbPath.DISABLED
-
-    @property
-    def policy(self) -> str | None:
-        if self.v2 is not None:
-            return self.v2.policy
-        return self.legacy.policy if self.legacy is not None else None
-
-    @property
-    def num_redundant_experts(self) -> int:
-        if self.v2 is not None:
-            return self.v2.num_redundant_experts
-        return self.legacy.num_redundant_experts if self.legacy is not None else 0
-
-    @property
-    def num_physical_experts(self) -> int:
-        return self.num_experts + self.num_redundant_experts
 
 
 def known_policy_names(policy_names: Sequence[str] | None = None) -> tuple[str, ...]:
@@ -229,10 +176,15 @@ def resolve_eplb_config(
     additional_config: Mapping[str, Any] | None,
     num_experts: int,
     ep_size: int,
+    num_layers: int | None = None,
+    num_groups: int = 1,
+    num_nodes: int = 1,
     policy_names: Sequence[str] | None = None,
     environ: Mapping[str, str] | None = None,
-) -> ResolvedEplbConfig:
-    """Validate every EPLB setting and decide the path: ``disabled``, ``v2`` or ``legacy``.
+    **control: Any,
+) -> RuntimeSettings | None:
+    """Validate every EPLB setting, decide the world (V2 or legacy) and return the core's
+    settings; ``None`` when EPLB is off.
 
     Args:
         enable_eplb: ``--enable-eplb`` (the V2 switch; vLLM's ``ParallelConfig.enable_eplb``).
@@ -243,10 +195,16 @@ def resolve_eplb_config(
             ignored; ``eplb_config`` and top-level legacy EPLB keys are read).
         num_experts: logical experts N of the model.
         ep_size: expert-parallel ranks.
+        num_layers: the model's MoE layers (the default placement's rows; a legacy map must
+            have exactly as many); ``None`` where the model is not loaded yet (then
+            ``initial_placement`` is the legacy map, or ``None``).
+        num_groups, num_nodes: the model's expert groups and the cluster's nodes (for the
+            hierarchical ``default`` policy).
         policy_names: allowed policy names; default: the live registry (see
             :func:`known_policy_names`).
         environ: environment for the legacy switches ``DYNAMIC_EPLB`` / ``EXPERT_MAP_RECORD``;
             default ``os.environ``.
+        control: more control settings (``policy_options=``, ``time_samples=``).
 
     Raises:
         ConfigError: the first invalid setting, naming its field and the fix.
@@ -282,7 +240,16 @@ def resolve_eplb_config(
                 "is set but EPLB is disabled; add --enable-eplb or remove the --eplb-config "
                 "settings",
             )
-        return _resolve_v2(v2_mapping, phase, num_experts, ep_size, policy_names)
+        config = _resolve_v2(v2_mapping, phase, num_experts, ep_size, policy_names)
+        return settings_from_v2(
+            config,
+            num_experts=num_experts,
+            ep_size=ep_size,
+            num_layers=num_layers,
+            num_groups=num_groups,
+            num_nodes=num_nodes,
+            **control,
+        )
 
     if phase is not None and legacy_values:
         key, (name, _value) = next(iter(legacy_values.items()))
@@ -296,9 +263,20 @@ def resolve_eplb_config(
             f"{ADDITIONAL_EPLB}.load_collection_phase",
             f"{phase!r} requires --enable-eplb; add it or remove load_collection_phase",
         )
-    if legacy_values:
-        return _resolve_legacy(legacy_values, num_experts, ep_size, policy_names)
-    return ResolvedEplbConfig(EplbPath.DISABLED, num_experts=num_experts, ep_size=ep_size)
+    resolved = _resolve_legacy(legacy_values, num_experts, ep_size, policy_names)
+    if resolved is None:
+        return None
+    config, expert_map = resolved
+    return settings_from_legacy(
+        config,
+        expert_map,
+        num_experts=num_experts,
+        ep_size=ep_size,
+        num_layers=num_layers,
+        num_groups=num_groups,
+        num_nodes=num_nodes,
+        **control,
+    )
 
 
 def _resolve_v2(
@@ -307,7 +285,7 @@ def _resolve_v2(
     num_experts: int,
     ep_size: int,
     policy_names: Sequence[str] | None,
-) -> ResolvedEplbConfig:
+) -> EplbConfig:
     config = EplbConfig.from_mapping(
         mapping, load_collection_phase=phase or CollectionPhase.ALL.value
     )
@@ -325,7 +303,7 @@ def _resolve_v2(
             config.step_interval,
             config.effective_window_size,
         )
-    return ResolvedEplbConfig(EplbPath.V2, num_experts=num_experts, ep_size=ep_size, v2=config)
+    return config
 
 
 def _resolve_legacy(
@@ -333,7 +311,11 @@ def _resolve_legacy(
     num_experts: int,
     ep_size: int,
     policy_names: Sequence[str] | None,
-) -> ResolvedEplbConfig:
+) -> tuple[LegacyEplbConfig, Placement | None] | None:
+    """The legacy keys, typed and checked, and the static map they name; ``None`` when they
+    leave legacy EPLB off (no keys, or ``dynamic_eplb: false`` alone)."""
+    if not values:
+        return None
     typed = {
         key: LegacyEplbConfig.coerce_field(key, value, prefix=name.rsplit(".", 1)[0])
         for key, (name, value) in values.items()
@@ -347,7 +329,7 @@ def _resolve_legacy(
                 "is set but legacy EPLB is off; set dynamic_eplb: true (or expert_map_path / "
                 "expert_map_record_path) to enable it, or remove the legacy keys",
             )
-        return ResolvedEplbConfig(EplbPath.DISABLED, num_experts=num_experts, ep_size=ep_size)
+        return None
     if typed.get("dynamic_eplb") is False and config.expert_map_record_path is not None:
         logger.warning(
             "%s is set, which forces dynamic_eplb on (recording needs the dynamic cycle)",
@@ -379,13 +361,7 @@ def _resolve_legacy(
             )
         config = dataclasses.replace(config, num_redundant_experts=redundancy)
     _check_divisible(num_experts, config.num_redundant_experts, ep_size, redundant_field)
-    return ResolvedEplbConfig(
-        EplbPath.LEGACY,
-        num_experts=num_experts,
-        ep_size=ep_size,
-        legacy=config,
-        expert_map=expert_map,
-    )
+    return config, expert_map
 
 
 def _load_legacy_map(

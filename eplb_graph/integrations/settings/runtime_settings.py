@@ -1,20 +1,19 @@
-"""From a resolved host configuration to the plain settings the core runtime takes.
+"""The plain settings the core runtime takes, built from a validated host configuration.
 
 The core (``EplbRuntime``, ``EplbState``, ``ControlSettings``) knows nothing of vLLM's or
-vllm-ascend's option names; this module is the one place that maps them, and every host goes
-through it: a launcher holding a command line (``parse_cli_args``), vllm-ascend's V1 keys, and
-the vLLM plugin (``integrations/vllm/settings.py`` adds its own section's values to what
-:func:`to_runtime_settings` returns). Every validated field lands in :class:`RuntimeSettings`,
-so a setting a user gave is either acted on or rejected at initialization, never validated and
-then dropped.
+vllm-ascend's option names; this module is the one place that maps them. Every host goes
+through it: :func:`~.resolve.resolve_eplb_config` validates what the host holds (a launcher's
+command line through ``parse_cli_args``, vllm-ascend's V1 keys, vLLM's ``EPLBConfig``) and
+returns a :class:`RuntimeSettings` built here; the vLLM plugin then adds what only its own
+section sets. Every validated field lands in :class:`RuntimeSettings`, so a setting a user gave
+is either acted on or rejected at initialization, never validated and then dropped.
 
 A runner does, once per rank::
 
-    resolved = resolve_eplb_config(...)              # or parse_cli_args(argv).resolve(...)
-    if resolved.enabled:
-        settings = to_runtime_settings(resolved, num_layers=L)
+    settings = resolve_eplb_config(..., num_layers=L)    # None: EPLB is off
+    if settings is not None:
         state = EplbState(settings.initial_placement, rank=rank, device=device)
-        if settings.control is not None:             # None: legacy static map, no rebalancing
+        if settings.rebalances:                          # False: legacy static map
             runtime = EplbRuntime(state, views, settings.control, groups, rank,
                                   use_async=settings.use_async, movement=settings.movement,
                                   record_map_path=settings.record_map_path)
@@ -28,7 +27,6 @@ from typing import Any
 from eplb_graph.control.settings import ControlSettings
 from eplb_graph.integrations.settings.fields import ConfigError
 from eplb_graph.integrations.settings.legacy import LegacyEplbConfig
-from eplb_graph.integrations.settings.resolve import EplbPath, ResolvedEplbConfig
 from eplb_graph.integrations.settings.v2 import GLOO_COMMUNICATOR, EplbConfig
 from eplb_graph.movement.settings import MovementSettings
 from eplb_graph.placement import Placement
@@ -39,6 +37,9 @@ class RuntimeSettings:
     """Everything one rank's EPLB needs from the configuration, in the core's vocabulary.
 
     Attributes:
+        num_experts: logical experts N of the model.
+        ep_size: expert-parallel ranks.
+        num_redundant_experts: redundant slots over the logical experts.
         control: the window, interval, phase filter, policy and balancedness log for
             ``EplbRuntime``; ``None`` in legacy static mode, where the map is served as loaded
             and no runtime is built.
@@ -50,7 +51,6 @@ class RuntimeSettings:
             ``num_experts + num_redundant_experts`` slots over ``ep_size`` ranks. ``None`` only
             where the model's layer count is not known yet (vLLM checks the settings where it
             builds its config, before any model is loaded).
-        num_redundant_experts: redundant slots over the logical experts.
         communicator: the weight-transfer backend the runner's group provider must use;
             ``"torch_gloo"``, the only one eplb-graph implements (V2's ``null`` picks it).
         movement: ``EplbRuntime(movement=...)``: how weights are staged and committed.
@@ -60,11 +60,13 @@ class RuntimeSettings:
         weight_digests: hash every local slot's kernel tensors at attach and after each commit.
     """
 
+    num_experts: int
+    ep_size: int
+    num_redundant_experts: int
     control: ControlSettings | None
-    use_async: bool
-    record_map_path: str | None
-    initial_placement: Placement | None
-    num_redundant_experts: int = 0
+    use_async: bool = True
+    record_map_path: str | None = None
+    initial_placement: Placement | None = None
     communicator: str = GLOO_COMMUNICATOR
     movement: MovementSettings = field(default_factory=MovementSettings)
     move_to: Placement | None = None
@@ -75,6 +77,11 @@ class RuntimeSettings:
     def rebalances(self) -> bool:
         """Whether an ``EplbRuntime`` runs at all (false only for a legacy static map)."""
         return self.control is not None
+
+    @property
+    def num_physical_experts(self) -> int:
+        """Physical slots P over all ranks."""
+        return self.num_experts + self.num_redundant_experts
 
 
 def control_settings_from_v2(
@@ -131,68 +138,69 @@ def control_settings_from_legacy(
     )
 
 
-def to_runtime_settings(
-    resolved: ResolvedEplbConfig,
+def settings_from_v2(
+    config: EplbConfig,
     *,
+    num_experts: int,
+    ep_size: int,
     num_layers: int | None,
-    num_groups: int = 1,
-    num_nodes: int = 1,
-    **extra: Any,
+    **control: Any,
 ) -> RuntimeSettings:
-    """Convert an enabled :class:`ResolvedEplbConfig` into :class:`RuntimeSettings`.
+    """:class:`RuntimeSettings` of a validated V2 config (``control``: see
+    :func:`control_settings_from_v2`)."""
+    return RuntimeSettings(
+        num_experts=num_experts,
+        ep_size=ep_size,
+        num_redundant_experts=config.num_redundant_experts,
+        control=control_settings_from_v2(config, **control),
+        use_async=config.use_async,
+        initial_placement=initial_placement(
+            None, num_experts, config.num_redundant_experts, ep_size, num_layers
+        ),
+        communicator=config.communicator or GLOO_COMMUNICATOR,
+    )
 
-    Args:
-        resolved: the outcome of ``resolve_eplb_config`` on the V2 or legacy path.
-        num_layers: the model's MoE layers (the default placement's rows; a legacy map must
-            have exactly as many); ``None`` where the model is not loaded yet (then
-            ``initial_placement`` is the legacy map, or ``None``).
-        num_groups, num_nodes, extra: passed to the control settings (see
-            :func:`control_settings_from_v2`).
 
-    Raises:
-        ValueError: ``resolved`` is the disabled path (build no EPLB state at all then).
-        ConfigError: a legacy ``expert_map_path`` map has a different number of layers.
+def settings_from_legacy(
+    config: LegacyEplbConfig,
+    expert_map: Placement | None,
+    *,
+    num_experts: int,
+    ep_size: int,
+    num_layers: int | None,
+    **control: Any,
+) -> RuntimeSettings:
+    """:class:`RuntimeSettings` of an enabled legacy config and its loaded ``expert_map``.
+
+    vllm-ascend runs its cycle off the serving thread, and record mode needs the worker: the
+    legacy path is always asynchronous. A static map (``dynamic_eplb`` off) builds no runtime.
     """
-    if resolved.path is EplbPath.V2:
-        config = resolved.v2
-        assert config is not None
-        return RuntimeSettings(
-            control=control_settings_from_v2(
-                config, num_groups=num_groups, num_nodes=num_nodes, **extra
-            ),
-            use_async=config.use_async,
-            record_map_path=None,
-            initial_placement=_initial_placement(resolved, num_layers),
-            num_redundant_experts=resolved.num_redundant_experts,
-            communicator=config.communicator or GLOO_COMMUNICATOR,
-        )
-    if resolved.path is EplbPath.LEGACY:
-        legacy = resolved.legacy
-        assert legacy is not None
-        control = None
-        if legacy.dynamic_eplb:
-            control = control_settings_from_legacy(
-                legacy, num_groups=num_groups, num_nodes=num_nodes, **extra
-            )
-        # vllm-ascend runs its cycle off the serving thread, and record mode needs the worker.
-        return RuntimeSettings(
-            control=control,
-            use_async=True,
-            record_map_path=legacy.expert_map_record_path,
-            initial_placement=_initial_placement(resolved, num_layers),
-            num_redundant_experts=resolved.num_redundant_experts,
-        )
-    raise ValueError("EPLB is disabled: build no EPLB state or runtime for this run")
+    return RuntimeSettings(
+        num_experts=num_experts,
+        ep_size=ep_size,
+        num_redundant_experts=config.num_redundant_experts,
+        control=control_settings_from_legacy(config, **control) if config.dynamic_eplb else None,
+        use_async=True,
+        record_map_path=config.expert_map_record_path,
+        initial_placement=initial_placement(
+            expert_map, num_experts, config.num_redundant_experts, ep_size, num_layers
+        ),
+    )
 
 
-def _initial_placement(resolved: ResolvedEplbConfig, num_layers: int | None) -> Placement | None:
-    expert_map = resolved.expert_map
+def initial_placement(
+    expert_map: Placement | None,
+    num_experts: int,
+    num_redundant: int,
+    ep_size: int,
+    num_layers: int | None,
+) -> Placement | None:
+    """The placement ``EplbState`` starts from: a legacy map (checked against the model's
+    ``num_layers``), else the default one; ``None`` while the layer count is unknown."""
     if expert_map is None:
         if num_layers is None:
             return None
-        return Placement.default(
-            num_layers, resolved.num_experts, resolved.num_redundant_experts, resolved.ep_size
-        )
+        return Placement.default(num_layers, num_experts, num_redundant, ep_size)
     if num_layers is not None and expert_map.num_layers != num_layers:
         raise ConfigError(
             "expert_map_path",

@@ -5,7 +5,7 @@ The same function runs twice with the same inputs: in the process that builds vL
 and in every worker when the model is loaded (where the layer count and expert groups are
 known). The path is every host's (``eplb_graph.integrations.settings``): vLLM's
 ``ParallelConfig.enable_eplb``, ``ParallelConfig.eplb_config`` and ``additional_config`` go
-through ``resolve_eplb_config`` and ``to_runtime_settings``; this module then adds what only
+through ``resolve_eplb_config``; this module then adds to its ``RuntimeSettings`` what only
 the plugin's own section (:class:`~eplb_graph.integrations.vllm.options.PluginOptions`) sets.
 """
 
@@ -19,13 +19,7 @@ from eplb_graph.control.phases import CollectionPhase
 from eplb_graph.control.planning import PolicyPlanner
 from eplb_graph.control.settings import ControlSettings
 from eplb_graph.control.window_record import WINDOWS_FILE
-from eplb_graph.integrations.settings import (
-    ConfigError,
-    EplbPath,
-    RuntimeSettings,
-    resolve_eplb_config,
-    to_runtime_settings,
-)
+from eplb_graph.integrations.settings import ConfigError, RuntimeSettings, resolve_eplb_config
 from eplb_graph.integrations.vllm.model_shape import hidden_layer_count, moe_layer_count
 from eplb_graph.integrations.vllm.options import PREFIX, SECTION, PluginOptions
 from eplb_graph.movement.settings import MovementSettings
@@ -85,27 +79,27 @@ def eplb_settings(
     mapping = {name: getattr(eplb_config, name) for name in _EPLB_CONFIG_FIELDS}
     additional = dict(vllm_config.additional_config or {})
     additional.pop(SECTION, None)
-    resolved = resolve_eplb_config(
-        enable_eplb=True,
-        eplb_config=mapping,
-        additional_config=additional,
-        num_experts=vllm_config.model_config.get_num_experts(),
-        ep_size=parallel.tensor_parallel_size * parallel.data_parallel_size,
-    )
-    if resolved.path is not EplbPath.V2 or resolved.v2 is None:  # enable_eplb: V2 or raised
-        raise ConfigError("enable_eplb", f"resolved to the {resolved.path.value} path")
     model_config = vllm_config.model_config
     if num_layers is None:
         num_layers = moe_layer_count(model_config)
-    settings = to_runtime_settings(resolved, num_layers=num_layers, num_groups=num_expert_groups)
-    assert settings.control is not None  # the V2 path always rebalances
+    settings = resolve_eplb_config(
+        enable_eplb=True,
+        eplb_config=mapping,
+        additional_config=additional,
+        num_experts=model_config.get_num_experts(),
+        ep_size=parallel.tensor_parallel_size * parallel.data_parallel_size,
+        num_layers=num_layers,
+        num_groups=num_expert_groups,
+    )
+    # --enable-eplb selects V2 (legacy keys beside it raised), and V2 always rebalances.
+    assert settings is not None and settings.control is not None
     control = _with_options(settings.control, options, additional)
     control = dataclasses.replace(control, rearrange=_rearrange(options, timed_experts))
     if options.record_windows:
         windows = str(Path(options.metrics_path) / WINDOWS_FILE)
         control = dataclasses.replace(control, windows_path=windows)
-    move_to = _expert_map(options, resolved, num_layers, hidden_layer_count(model_config))
-    _check_policy_options(control, resolved)
+    move_to = _expert_map(options, settings, num_layers, hidden_layer_count(model_config))
+    _check_policy_options(control, settings)
     return dataclasses.replace(
         settings,
         control=control,
@@ -207,7 +201,10 @@ def _rearrange(options: PluginOptions, timed_experts: bool) -> str:
 
 
 def _expert_map(
-    options: PluginOptions, resolved, num_layers: int | None, max_layers: int | None
+    options: PluginOptions,
+    settings: RuntimeSettings,
+    num_layers: int | None,
+    max_layers: int | None,
 ) -> Placement | None:
     """The starting map, validated against the model (N, EP size, redundancy, layers)."""
     if options.expert_map_path is None:
@@ -217,20 +214,20 @@ def _expert_map(
 
     try:
         placement = Placement.load_expert_map(
-            options.expert_map_path, num_logical=resolved.num_experts
+            options.expert_map_path, num_logical=settings.num_experts
         )
     except ExpertMapError as error:
         raise ConfigError(field, f"invalid expert map: {error}") from None
     except OSError as error:
         raise ConfigError(field, f"cannot read the map: {error}") from None
-    expected = (resolved.ep_size, resolved.num_physical_experts)
+    expected = (settings.ep_size, settings.num_physical_experts)
     if (placement.num_ranks, placement.num_slots) != expected:
         raise ConfigError(
             field,
             f"the map has {placement.num_ranks} devices x {placement.slots_per_rank} slots, the "
-            f"engine {resolved.ep_size} EP ranks x "
-            f"{resolved.num_physical_experts // resolved.ep_size} slots "
-            f"({resolved.num_experts} experts + {resolved.num_redundant_experts} redundant); use "
+            f"engine {settings.ep_size} EP ranks x "
+            f"{settings.num_physical_experts // settings.ep_size} slots "
+            f"({settings.num_experts} experts + {settings.num_redundant_experts} redundant); use "
             "a map of this shape or change eplb_config.num_redundant_experts",
         )
     if num_layers is not None and placement.num_layers != num_layers:
@@ -248,15 +245,15 @@ def _expert_map(
     return placement
 
 
-def _check_policy_options(control: ControlSettings, resolved) -> None:
+def _check_policy_options(control: ControlSettings, settings: RuntimeSettings) -> None:
     """Policy options are checked against the policy's signature now, not at the first window."""
     try:
         PolicyPlanner(
             control.policy,
-            resolved.num_physical_experts,
+            settings.num_physical_experts,
             control.num_groups,
             control.num_nodes,
-            resolved.ep_size,
+            settings.ep_size,
             dict(control.policy_options),
         )
     except TypeError as error:
