@@ -26,6 +26,7 @@ from eplb_graph.control.cost_model import (
     predicted_step_us,
 )
 from eplb_graph.control.feedback import (
+    REFERENCE_STEPS,
     WARMUP_STEPS,
     ServingFeedback,
     WindowFeedback,
@@ -375,6 +376,23 @@ def test_serving_feedback_rolls_epochs_and_measures_in_flight_cost():
     assert (parsed.current.steps, parsed.current.mean_step_us) == (1, 900)
     assert feedback.moments.count == calls  # too few calls to age at the close
     assert parsed.movement_cost_us == pytest.approx(3 * 4000)
+
+
+def test_moving_steps_are_priced_signed_against_the_idle_steps_just_before():
+    """Step noise cancels over a move (a faster moving step takes off what a slower one added),
+    and the reference is the idle steps just served, not an epoch that began under other
+    traffic; after a placement change only its own idle steps count."""
+    feedback = ServingFeedback(torch.zeros(1, 3, dtype=torch.int64))
+    for _ in range(100):
+        feedback.step(step_us=1000, tokens=4, decode=True, in_flight=False, version=0)
+    for _ in range(REFERENCE_STEPS):  # heavier traffic since: steps take twice as long
+        feedback.step(step_us=2000, tokens=4, decode=True, in_flight=False, version=0)
+    for micros in (2600, 1400, 2300):
+        feedback.step(step_us=micros, tokens=4, decode=True, in_flight=True, moving=True, version=0)
+    assert (feedback.movement_extra_us, feedback.movement_steps) == (300, 3)
+    feedback.step(step_us=5000, tokens=4, decode=True, in_flight=False, version=1)
+    feedback.step(step_us=5200, tokens=4, decode=True, in_flight=True, moving=True, version=1)
+    assert (feedback.movement_extra_us, feedback.movement_steps) == (500, 4)
 
 
 def test_rearrange_setting_is_checked_and_reaches_the_planner():

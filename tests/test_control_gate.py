@@ -21,7 +21,7 @@ from eplb_graph.control.calibration import MAX_AGE, SIMILAR_LOAD, load_distance,
 from eplb_graph.control.cost_model import predicted_step_us
 from eplb_graph.control.decision_log import QUIET_S, DecisionLog
 from eplb_graph.control.feedback import WindowFeedback, feedback_size
-from eplb_graph.control.moves import FLOOR_BYTES_PER_US, MIN_REALIZED
+from eplb_graph.control.moves import FLOOR_BYTES_PER_US, MIN_REALIZED, MoveLedger
 from eplb_graph.control.payback import BACK_TOLERANCE, PaybackGate, _Back
 from eplb_graph.control.planning import PolicyPlanner
 from eplb_graph.control.window import WindowLoad
@@ -112,6 +112,23 @@ def test_the_price_of_a_copy_is_the_median_of_the_moves_measured():
     # One move that ran beside a burst of other work does not set the price of the next.
     assert gate.copy_source == "measured"
     assert gate.snapshot()["copy_ms"] == pytest.approx(sorted(costs)[1])
+
+
+def test_a_move_whose_steps_measured_faster_than_idle_costs_nothing_and_is_not_the_price():
+    """The ranks' movement total is signed (step noise cancels over a move), so it can dip; a
+    move is charged what the total changed by while it was the newest, and never below zero."""
+    ledger = MoveLedger(COPY_BYTES)
+    plan = DEFAULT.roll(1, dims=1)
+    ledger.applied(0, "policy", DEFAULT, plan, copies=4, predicted_saving_us=100.0)
+    ledger.movement_cost(-5_000.0)
+    ledger.credit(plan, 100.0, 100.0, steps=64)
+    assert ledger.newest().measured_cost_us == 0 and ledger.figures()[0]["cost_ms"] == 0
+    assert ledger.copy_us(1.0) == (COPY_BYTES / FLOOR_BYTES_PER_US, "floor")
+    ledger.applied(64, "policy", plan, DEFAULT, copies=2, predicted_saving_us=100.0)
+    ledger.movement_cost(25_000.0)  # the total rose by 30 ms while this move ran
+    ledger.credit(DEFAULT, 100.0, 100.0, steps=64)
+    assert ledger.newest().measured_cost_us == 30_000
+    assert ledger.copy_us(1.0) == (7_500, "measured")  # the median of 0 and 15 ms per copy
 
 
 # -- it judges a move on the load it served ------------------------------------------------------

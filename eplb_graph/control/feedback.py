@@ -20,19 +20,23 @@ Three things are gathered:
   committed now (``current``) and under the one before it (``previous``), with no rearrangement
   in flight; an epoch ends when the committed placement changes. This is how a plan that made
   steps slower is found and undone;
-- **movement cost**: the time decode steps took beyond the current epoch's mean while a
-  rearrangement was *moving weights* (asynchronous), or the time the window close itself took
-  when it moved weights inline (synchronous): what a rearrangement cost serving, to weigh the
-  next one against. Only moving counts: every window close hands the worker a job, and the steps
-  while it merely reduces and plans (and then keeps the placement) are no move's cost; counted
-  against the copies applied, they once tripled the measured price of a copy within an hour of
-  serving and kept every later plan out. A moving step is priced only where its idle time is
-  known (a decode step at a batch within :data:`COMPARABLE_TOKENS` of the epoch's); the others
-  (prefills, a batch that grew) are counted, and the priced steps' extra is scaled up to them.
+- **movement cost**: the time decode steps took, while a rearrangement was *moving weights*
+  (asynchronous), beyond the mean of the last :data:`REFERENCE_STEPS` idle decode steps under
+  the committed placement, or the time the window close itself took when it moved weights inline
+  (synchronous): what a rearrangement cost serving, to weigh the next one against. Only moving
+  counts: every window close hands the worker a job, and the steps while it merely reduces and
+  plans (and then keeps the placement) are no move's cost; counted against the copies applied,
+  they once tripled the measured price of a copy within an hour of serving and kept every later
+  plan out. A moving step is priced only where its idle time is known (a decode step at a batch
+  within :data:`COMPARABLE_TOKENS` of the reference's); the others (prefills, a batch that grew)
+  are counted, and the priced steps' extra is scaled up to them. The extra is summed *signed*:
+  a moving step faster than the reference takes off what a slower one added, so step noise
+  cancels instead of adding up (see :data:`REFERENCE_STEPS`).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -56,6 +60,14 @@ WARMUP_STEPS = 16
 (lazily compiled kernels, first allocations), and a placement measured there would be
 remembered as far slower than it is (the starting placement was, 1.9x, on the drift
 benchmark)."""
+REFERENCE_STEPS = 32
+"""A moving step is set against the mean of this many idle decode steps served just before it,
+under the placement the move starts from. The whole epoch's mean was the reference before, and
+each step's extra was counted only where positive: on a host whose steps vary by a tenth, half
+the moving steps then added noise and none took it off, and an epoch that began under other
+traffic set its steps against a batch of another cost. On the drift benchmark that priced a
+3 MiB copy at 8 to 13 ms while a profile of the worker and the installs put their CPU time
+below 1 ms per copy, and the gate refused moves that would have repaid."""
 OUTLIER_FACTOR = 3.0
 """A call slower than this many times the fitted model's prediction is not a cost sample."""
 OUTLIER_MIN_US = 1000
@@ -172,7 +184,8 @@ class WindowFeedback:
     @property
     def movement_cost_us(self) -> float | None:
         """What moving has cost serving so far, per rank (µs): the priced moving steps' extra,
-        scaled to every moving step; ``None`` before any moving step was priced."""
+        scaled to every moving step (signed: noise can leave it below zero); ``None`` before any
+        moving step was priced."""
         if not self.movement_steps:
             return None
         every = max(self.movement_steps_all, self.movement_steps)
@@ -239,6 +252,7 @@ class ServingFeedback:
         self._version: int | None = None
         self._current = [0, 0, 0, 0]
         self._previous = [0, 0, 0, 0]
+        self._reference: deque[tuple[int, int]] = deque(maxlen=REFERENCE_STEPS)
         self.movement_extra_us = 0
         self.movement_steps = 0
         self.movement_steps_all = 0
@@ -292,6 +306,7 @@ class ServingFeedback:
             self._current[1] += step_us
             self._current[2] += tokens
             self._current[3] += (step_us // 10) ** 2
+            self._reference.append((step_us, tokens))
 
     @property
     def movement_cost_us(self) -> float | None:
@@ -310,14 +325,17 @@ class ServingFeedback:
         self.movement_steps_all += 1
 
     def _price_moving_step(self, step_us: int, tokens: int, decode: bool) -> None:
-        """Count a step that ran while weights moved; price it where its idle time is known."""
+        """Count a step that ran while weights moved; price it (signed, against the idle steps
+        just before) where its idle time is known."""
         self.movement_steps_all += 1
-        steps, micros, epoch_tokens, _ = self._current
+        steps = len(self._reference)
         if not decode or not steps:
             return
-        if not comparable_batches(tokens, epoch_tokens / steps):
+        idle_us = sum(micros for micros, _ in self._reference)
+        idle_tokens = sum(count for _, count in self._reference)
+        if not comparable_batches(tokens, idle_tokens / steps):
             return
-        self.movement_extra_us += max(0, step_us - micros // steps)
+        self.movement_extra_us += step_us - idle_us // steps
         self.movement_steps += 1
 
     def take(self, recorded_steps: int) -> torch.Tensor:
@@ -354,6 +372,7 @@ class ServingFeedback:
         if self._current[0]:
             self._previous = self._current
         self._current = [0, 0, 0, 0]
+        self._reference.clear()  # idle steps of a placement no longer served
         self.epoch_index += 1
 
     def _take_cost_samples(self, usable: bool) -> list[int]:

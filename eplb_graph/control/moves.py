@@ -66,11 +66,18 @@ class Move:
     predicted_saving_us: float
     """Per step, at the window that chose it (the busiest rank's expert time)."""
     cost_us: float = 0.0
+    """Signed, as measured: the steps' noise cancels over a move, so it may dip below zero;
+    read :attr:`measured_cost_us`."""
     saved_us: float = 0.0
     predicted_us: float = 0.0
     """What the model predicted it would save over the same windows (their served loads)."""
     windows: int = 0
     """Windows measured under its plan (each credited ``saved_us``)."""
+
+    @property
+    def measured_cost_us(self) -> float:
+        """What the move cost serving, never below zero."""
+        return max(0.0, self.cost_us)
 
     def as_dict(self) -> dict[str, Any]:
         measured = self.windows > 0
@@ -80,11 +87,11 @@ class Move:
             "candidate": self.candidate,
             "copies": self.copies,
             "predicted_saving_ms_per_step": self.predicted_saving_us / 1e3,
-            "cost_ms": self.cost_us / 1e3,
+            "cost_ms": self.measured_cost_us / 1e3,
             "saved_ms": self.saved_us / 1e3 if measured else None,
             "predicted_saved_ms": self.predicted_us / 1e3 if measured else None,
             "windows_measured": self.windows,
-            "net_ms": (self.saved_us - self.cost_us) / 1e3 if measured else None,
+            "net_ms": (self.saved_us - self.measured_cost_us) / 1e3 if measured else None,
         }
 
 
@@ -117,13 +124,13 @@ class MoveLedger:
         return move
 
     def movement_cost(self, total_us: float | None) -> None:
-        """The ranks' running total of what moving has cost serving (µs): what it grew by since
-        the last window is the newest move's (moves run one at a time)."""
+        """The ranks' running total of what moving has cost serving (µs, signed): what it
+        changed by since the last window is the newest move's (moves run one at a time)."""
         if total_us is None or not math.isfinite(total_us):
             return
         grown = total_us - self._cost_seen_us
-        self._cost_seen_us = max(self._cost_seen_us, total_us)
-        if grown > 0 and self.moves:
+        self._cost_seen_us = total_us
+        if self.moves:
             self.moves[-1].cost_us += grown
 
     def credit(
@@ -159,7 +166,7 @@ class MoveLedger:
         unknown). ``source`` is ``prior``, ``measured`` or ``floor``."""
         floor = self.copy_bytes / FLOOR_BYTES_PER_US if self.copy_bytes else max(read_us, 1.0)
         samples = [
-            move.cost_us / move.copies
+            move.measured_cost_us / move.copies
             for move in list(self.moves)[-RECENT_MOVES:]
             if move.windows > 0 and move.copies > 0
         ]
@@ -179,4 +186,4 @@ class MoveLedger:
     def repaid(self) -> tuple[int, int]:
         """``(moves with a positive measured net, moves measured)``."""
         measured = [move for move in self.moves if move.windows > 0]
-        return sum(move.saved_us > move.cost_us for move in measured), len(measured)
+        return sum(move.saved_us > move.measured_cost_us for move in measured), len(measured)
