@@ -30,12 +30,15 @@ import torch
 
 __all__ = ["FLOOR_BYTES_PER_US", "PRIOR_BYTES_PER_US", "Move", "MoveLedger"]
 
-PRIOR_BYTES_PER_US = 300.0
-"""Before any move was measured, a copy is taken to cost serving 1 µs per 300 bytes (3.5 ms per
-MiB): it is staged, sent, received and installed on the cores that serve, while steps run. The
-first move measured on vLLM's CPU backend cost about that (9.7 ms per 3 MiB copy; later ones 2
-to 4 ms); 10 ms per MiB, the prior before, kept the first move of a skewed phase waiting a
-window for a cheaper plan. The first measured move replaces it."""
+PRIOR_BYTES_PER_US = 1000.0
+"""Before any move was measured, a copy is taken to cost serving 1 µs per 1000 bytes (1 ms per
+MiB): it is staged, sent, received and installed on the cores that serve, while steps run. A
+profile of a vLLM CPU engine moving 3 MiB bf16 experts (py-spy, both ranks, the whole drift
+benchmark) put the movement worker's and the installs' CPU time well under 1 ms per copy. The
+prior before, 3.5 ms per MiB (from moves priced by each step's positive extra over an epoch's
+mean, which counted step noise as cost), refused on an AMX Xeon every first move of two drift
+runs, 17% cuts of the step among them, so nothing was ever measured to correct it. The first
+measured move replaces it."""
 FLOOR_BYTES_PER_US = 2000.0
 """No copy is priced below 1 µs per 2000 bytes (0.5 ms per MiB): its bytes are read, sent and
 written at least once, and nothing on a host moves them faster than memory does. A move whose
