@@ -268,15 +268,19 @@ def test_the_floor_counts_the_reads_of_the_copies_every_slot_forces():
 
 
 def test_gate_does_not_plan_a_uniform_load_where_only_forced_copies_differ():
-    # The default layout's 8 extra copies cost reads no placement avoids: no plan can repay.
+    # The default layout's 8 extra copies cost reads almost no placement avoids: the most any
+    # placement could save per step, over the horizon, does not pay for one copy, so the policy
+    # is never asked.
     committed = Placement.default(2, 32, 8, RANKS).phy2log
     asked = []
-    gate = PaybackGate(RANKS, 40, 5, step_interval=64, copy_bytes=3 << 20)
+    gate = PaybackGate(RANKS, 40, 5, step_interval=16, copy_bytes=3 << 20)
     kept = gate.decide(
         _load(committed, torch.full((2, 32), 10.0), _feedback()), lambda: asked.append(1)
     )
     assert kept is None and not asked
-    assert gate.decisions[-1]["reason"] == "no placement can repay a move"
+    decision = gate.decisions[-1]
+    assert decision["reason"] == "no placement can repay a move"
+    assert 0 < decision["saving_bound_ms_per_step"] * 16 < decision["copy_ms"]
 
 
 def _refusing_horizon(committed: torch.Tensor, load: WindowLoad) -> int:

@@ -31,7 +31,10 @@ def runs(tmp_path_factory):
         **expert_parallel,
         "enforce_eager": True,
         "enable_eplb": True,
-        "eplb_config": EPLB,  # window 4 / interval 8: many windows in one generate call
+        # Window 8 / interval 16: several windows in one generate call, and steps between them
+        # with no job in flight (the cost model's serving samples come only from those; at an
+        # interval of 8 a fast host's jobs overlapped every step, and the model never fitted).
+        "eplb_config": {**EPLB, "window_size": 8, "step_interval": 16},
         "additional_config": {"eplb_graph": {"metrics_path": str(root / "metrics-gate")}},
     }
     off = {**expert_parallel, "enforce_eager": True}
