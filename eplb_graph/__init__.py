@@ -6,11 +6,11 @@ Importing this package registers ``torch.ops.eplb_graph.*`` (see ``eplb_graph.op
 - ``Placement``: which logical expert sits in every physical slot (a value; expert-map files);
 - ``EplbState``: the tensors a compiled graph reads, with stable addresses, committed in place;
 - ``EplbRuntime``: what a runner calls around every forward (``begin_step`` / ``end_step``);
-- ``ControlSettings``, ``MovementSettings``: its plain settings objects;
+- ``RuntimeSettings``: its settings, one plain value (what to plan, when, how to move);
 - ``GroupRing``: the gloo groups EPLB moves weights over (never the serving group);
 - ``make_expert_view``: the weight view of one layer's experts, by format;
 - ``parse_cli_args``, ``resolve_eplb_config``: vLLM / vllm-ascend EPLB settings, validated once
-  and turned into ``RuntimeSettings`` (the settings objects above, the starting placement);
+  and turned into ``RuntimeSettings`` (with the model's starting placement);
 - ``EplbError``: the base of every error the package raises on purpose.
 
 Why the names load lazily: importing torch takes seconds, and ``eplb-graph --help`` or a usage
@@ -34,17 +34,15 @@ from eplb_graph.lazy_exports import lazy_exports
 #: Public name -> the module that defines it.
 _PUBLIC = {
     "ConfigError": "eplb_graph.integrations.settings",
-    "ControlSettings": "eplb_graph.control.settings",
     "EplbConfig": "eplb_graph.integrations.settings",
     "EplbRuntime": "eplb_graph.runtime",
     "EplbState": "eplb_graph.state",
     "ExpertMapError": "eplb_graph.expert_map",
     "GroupRing": "eplb_graph.movement.transport",
     "LegacyEplbConfig": "eplb_graph.integrations.settings",
-    "MovementSettings": "eplb_graph.movement.settings",
     "Placement": "eplb_graph.placement",
     "PlacementError": "eplb_graph.tables",
-    "RuntimeSettings": "eplb_graph.integrations.settings",
+    "RuntimeSettings": "eplb_graph.settings",
     "make_expert_view": "eplb_graph.movement.views",
     "parse_cli_args": "eplb_graph.integrations.settings",
     "resolve_eplb_config": "eplb_graph.integrations.settings",
@@ -53,7 +51,6 @@ _PUBLIC = {
 
 __all__ = [
     "ConfigError",
-    "ControlSettings",
     "EplbConfig",
     "EplbError",
     "EplbRuntime",
@@ -61,7 +58,6 @@ __all__ = [
     "ExpertMapError",
     "GroupRing",
     "LegacyEplbConfig",
-    "MovementSettings",
     "Placement",
     "PlacementError",
     "RuntimeSettings",

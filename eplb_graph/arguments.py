@@ -75,4 +75,4 @@ def as_seconds(name: str, value: Any, *, error: type[Exception] = ValueError) ->
 
 
 class SettingsError(EplbError, ValueError):
-    """A core settings object (``ControlSettings``, ``MovementSettings``) got a bad value."""
+    """A core settings object (``RuntimeSettings``) got a bad value."""

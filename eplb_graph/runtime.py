@@ -25,9 +25,9 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from eplb_graph.arguments import SettingsError
 from eplb_graph.control.controller import EplbController
 from eplb_graph.control.planning import PolicyPlanner
-from eplb_graph.control.settings import ControlSettings
 from eplb_graph.control.window import (
     WindowSnapshot,
     local_reducer,
@@ -47,10 +47,10 @@ from eplb_graph.movement.rebalance import (
     WindowJob,
     views_per_layer,
 )
-from eplb_graph.movement.settings import MovementSettings
 from eplb_graph.movement.staging import LayerInstaller, StagingPool, check_staging_budget
 from eplb_graph.movement.transport import StoreAgreement, default_store
 from eplb_graph.movement.worker import MovementWorker
+from eplb_graph.settings import RuntimeSettings
 from eplb_graph.state import EplbState
 from eplb_graph.stats import EplbStats, Progress
 
@@ -63,15 +63,16 @@ class EplbRuntime:
     Args:
         state: the rank's EPLB state (read by the compiled forward).
         views: live weight views, one per MoE layer.
-        control: window / interval / phase / policy settings.
+        settings: what to plan and when (window, interval, phase, policy, gate), how to move
+            (staging, chunking, margins, timeouts), sync or async, record mode
+            (``record_map_path``: plans are written to that expert-map JSON by rank 0 and never
+            applied). The movement fields are capped by the model's layers
+            (:meth:`RuntimeSettings.for_layers`); experts or ranks given there must match the
+            state's.
         groups: gloo group provider for the EPLB traffic (``GroupRing``); never the serving group.
         rank: this rank's index in the EP group.
-        use_async: plan and move on the worker thread (default) or inline at the window close.
-        movement: staging, chunking, margins, timeouts.
-        planner: overrides the policy planner built from ``control``.
+        planner: overrides the policy planner built from ``settings``.
         fault_hook: test-only fault injection in the pipeline.
-        record_map_path: record mode: plans are written to this expert-map JSON by rank 0 and
-            never applied.
         agreement: the store-decided votes (default: over the job's rendezvous store).
         record_load: whether this rank records load. Where every rank routes every token
             (replicated routing), pass ``rank == 0`` so each token is counted once.
@@ -81,28 +82,26 @@ class EplbRuntime:
         self,
         state: EplbState,
         views: Sequence,
-        control: ControlSettings,
+        settings: RuntimeSettings,
         groups: Callable[[], object],
         rank: int,
         *,
-        use_async: bool = True,
-        movement: MovementSettings | None = None,
         planner: Callable | None = None,
         fault_hook: FaultHook | None = None,
-        record_map_path: str | None = None,
         agreement: StoreAgreement | None = None,
         record_load: bool = True,
     ) -> None:
+        _check_model(settings, state)
         self.state = state
         self.views = views_per_layer(state, views)
         self.rank = rank
-        self.use_async = use_async
         # Capped by the model (a chunk or block count beyond its layers is never used).
-        self.movement = (movement or MovementSettings()).for_layers(state.num_layers)
+        self.settings = settings = settings.for_layers(state.num_layers)
+        self.use_async = use_async = settings.use_async
         # Read top-down, one rearrangement's path: what decides, where weights are staged and
         # installed, how ranks agree, the pipeline that moves, and the controller that starts
         # it at every window close.
-        self.planner = planner or self._default_planner(control)
+        self.planner = planner or self._default_planner(settings)
         self.pool, self.installer = self._staging()
         self.clock = StepClock()
         self.agreement = agreement or self._default_agreement()
@@ -116,10 +115,8 @@ class EplbRuntime:
             self.agreement,
             self._delivery(),
             planner=self.planner,
-            time_samples=control.time_samples,
-            settings=self.movement,
+            settings=settings,
             fault_hook=fault_hook,
-            record_map_path=record_map_path,
         )
         self.scheduler: CommitScheduler | None = None
         if self.worker is not None:
@@ -129,9 +126,9 @@ class EplbRuntime:
             self.worker.start(self.pipeline)
         self.controller = EplbController(
             state,
-            control,
+            settings,
             self._rebalance,
-            reduce=self._balancedness_reducer(control),
+            reduce=self._balancedness_reducer(settings),
             record_load=record_load,
         )
         gate = getattr(self.planner, "gate", None)
@@ -141,22 +138,22 @@ class EplbRuntime:
             self.controller.feedback.model_source = lambda: gate.model
 
     # -- building ------------------------------------------------------------------------------
-    def _default_planner(self, control: ControlSettings) -> PolicyPlanner:
+    def _default_planner(self, settings: RuntimeSettings) -> PolicyPlanner:
         state = self.state
         return PolicyPlanner(
-            control.policy,
+            settings.policy,
             state.num_slots,
-            control.num_groups,
-            control.num_nodes,
+            settings.num_groups,
+            settings.num_nodes,
             state.num_ranks,
-            dict(control.policy_options),
-            control.min_gain_percent,
-            rearrange=control.rearrange,
+            dict(settings.policy_options),
+            settings.min_gain_percent,
+            rearrange=settings.rearrange,
             max_replicas=state.max_replicas,
-            step_interval=control.step_interval,
+            step_interval=settings.step_interval,
             copy_bytes=self._slot_nbytes,
             announce=self.rank == 0,
-            windows_path=control.windows_path if self.rank == 0 else None,
+            windows_path=settings.windows_path if self.rank == 0 else None,
         )
 
     @property
@@ -167,14 +164,14 @@ class EplbRuntime:
         """The staging blocks (their memory checked against its budget before any of it is
         allocated) and the installer that empties them into the live weights."""
         slots_per_rank = self.state.num_slots // self.state.num_ranks
-        blocks = self.movement.num_staging_blocks
+        blocks = self.settings.num_staging_blocks
         nbytes = self._slot_nbytes
-        check_staging_budget(blocks, slots_per_rank, nbytes, self.movement.staging_budget_bytes)
+        check_staging_budget(blocks, slots_per_rank, nbytes, self.settings.staging_budget_bytes)
         pool = StagingPool(blocks, slots_per_rank, nbytes)
         return pool, LayerInstaller(self.state, self.views, pool)
 
     def _default_agreement(self) -> StoreAgreement:
-        lag = self.movement.exchange_timeout_s + self.movement.agree_timeout_s
+        lag = self.settings.exchange_timeout_s + self.settings.agree_timeout_s
         return StoreAgreement(
             default_store(),
             self.rank,
@@ -188,13 +185,13 @@ class EplbRuntime:
         if self.worker is None:
             return InstallNow(self.installer)
         return PublishAtAgreedStep(
-            self.clock, self.pool, self.worker.publish, self.movement.commit_margin_steps
+            self.clock, self.pool, self.worker.publish, self.settings.commit_margin_steps
         )
 
-    def _balancedness_reducer(self, control: ControlSettings):
+    def _balancedness_reducer(self, settings: RuntimeSettings):
         """The balancedness log (opt-in) sums recent load across ranks on the main thread, at
         logging steps only, over a gloo group of its own (never the serving group)."""
-        if control.log_balancedness and dist.is_initialized() and self.state.num_ranks > 1:
+        if settings.log_balancedness and dist.is_initialized() and self.state.num_ranks > 1:
             return process_group_reducer(dist.new_group(backend="gloo"))
         return local_reducer
 
@@ -367,3 +364,19 @@ class EplbRuntime:
         """Give the expert cost model calls timed outside serving (a calibration at attach):
         ``rows``, ``active`` slots and ``micros`` per call, equal lengths."""
         self.controller.feedback.calibrate(rows, active, micros)
+
+
+def _check_model(settings: RuntimeSettings, state: EplbState) -> None:
+    """Settings resolved for one model must not drive a state built for another."""
+    if not isinstance(settings, RuntimeSettings):
+        raise TypeError(f"settings must be RuntimeSettings, got {type(settings).__name__}")
+    for name, want, have in (
+        ("experts", settings.num_experts, state.num_logical),
+        ("physical slots", settings.num_physical_experts, state.num_slots),
+        ("EP ranks", settings.ep_size, state.num_ranks),
+    ):
+        if want is not None and want != have:
+            raise SettingsError(
+                f"the settings describe {want} {name} but the state holds {have}; build the "
+                "state from settings.initial_placement (or resolve for this model)"
+            )

@@ -70,13 +70,12 @@ def run_rank(rank: int, world_size: int, use_async: bool) -> bool:
         state,
         views,
         # The first window closes after step_interval // 4 = 2 steps, then every 8 steps.
-        eplb_graph.ControlSettings(window_size=4, step_interval=8),
-        eplb_graph.GroupRing(size=2),  # EPLB's own gloo groups, never the serving group
-        rank,
         # Async (default): a worker thread plans and moves; layers commit at a step all ranks
         # agree on, inside begin_step. Sync: the whole rearrangement runs inside the end_step
         # that closes a window (serving stalls), and begin_step always returns [].
-        use_async=use_async,
+        eplb_graph.RuntimeSettings(window_size=4, step_interval=8, use_async=use_async),
+        eplb_graph.GroupRing(size=2),  # EPLB's own gloo groups, never the serving group
+        rank,
         record_load=rank == 0,  # every rank sees every token: count each token once
     )
     compiled = torch.compile(moe_layer, fullgraph=True)  # one graph serves every layer

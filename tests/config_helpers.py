@@ -6,9 +6,27 @@ from typing import Any
 
 import pytest
 
-from eplb_graph import Placement
-from eplb_graph.integrations.settings import ConfigError, RuntimeSettings, resolve_eplb_config
+from eplb_graph import Placement, RuntimeSettings
+from eplb_graph.integrations.settings import ConfigError, resolve_eplb_config
 from eplb_graph.policy import policy_names
+
+#: The control plane's fields of ``RuntimeSettings``: what a host's window, interval, phase
+#: and policy settings become.
+CONTROL_FIELDS = (
+    "window_size",
+    "step_interval",
+    "load_collection_phase",
+    "policy",
+    "policy_options",
+    "num_groups",
+    "num_nodes",
+    "log_balancedness",
+    "log_balancedness_interval",
+    "time_samples",
+    "min_gain_percent",
+    "rearrange",
+    "windows_path",
+)
 
 #: The policies registered when the tests start; passed explicitly so a resolve is hermetic.
 NAMES: tuple[str, ...] = tuple(policy_names())
@@ -27,6 +45,11 @@ def resolve(**overrides: Any) -> RuntimeSettings | None:
     }
     arguments.update(overrides)
     return resolve_eplb_config(**arguments)
+
+
+def control(settings: RuntimeSettings) -> dict[str, Any]:
+    """The control plane's fields of ``settings``, to compare with another's."""
+    return {name: getattr(settings, name) for name in CONTROL_FIELDS}
 
 
 def raises(field: str, match: str):

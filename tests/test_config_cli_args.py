@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from eplb_graph import ControlSettings
+from eplb_graph import RuntimeSettings
 from eplb_graph.integrations.settings import parse_cli_args, resolve_eplb_config
-from tests.config_helpers import NAMES, legacy, raises
+from tests.config_helpers import NAMES, control, legacy, raises
 
 
 def test_parse_dotted_keys_with_space_and_equals():
@@ -53,8 +53,8 @@ def test_parse_json_eplb_config_and_additional_config():
     settings = resolve_eplb_config(
         **args, num_experts=128, ep_size=16, policy_names=NAMES, environ={}
     )
-    assert settings.control.window_size == 100
-    assert settings.control.load_collection_phase.value == "prefill"
+    assert settings.window_size == 100
+    assert settings.load_collection_phase.value == "prefill"
 
 
 def test_parse_user_guide_command_line_resolves():
@@ -74,8 +74,10 @@ def test_parse_user_guide_command_line_resolves():
     settings = resolve_eplb_config(
         **args, num_experts=128, ep_size=16, policy_names=NAMES, environ={}
     )
-    assert settings.control == ControlSettings(
-        window_size=50, step_interval=50, log_balancedness=True, log_balancedness_interval=1
+    assert control(settings) == control(
+        RuntimeSettings(
+            window_size=50, step_interval=50, log_balancedness=True, log_balancedness_interval=1
+        )
     )
     assert settings.num_redundant_experts == 16 and settings.use_async
 
@@ -89,7 +91,7 @@ def test_parse_legacy_additional_config_resolves_to_legacy():
         **args, num_experts=64, ep_size=4, policy_names=NAMES, environ={}
     )
     # The legacy cycle (600 collected + 50 for the policy) with the type's policy.
-    assert settings.control.step_interval == 650 and settings.control.policy == "flash_lb"
+    assert settings.step_interval == 650 and settings.policy == "flash_lb"
 
 
 def test_parse_coercion_errors_name_the_field():

@@ -23,7 +23,7 @@ def test_legacy_defaults_match_vllm_ascend():
 @pytest.mark.parametrize(("policy_type", "name"), sorted(LEGACY_POLICY_TYPES.items()))
 def test_legacy_policy_type_maps_to_registered_names(policy_type, name):
     config = resolve(additional_config=legacy(dynamic_eplb=True, eplb_policy_type=policy_type))
-    assert config.control.policy == name
+    assert config.policy == name
 
 
 def test_legacy_policy_type_mapping_is_vllm_ascends():
@@ -134,15 +134,16 @@ def test_legacy_every_integer_has_a_documented_maximum(key, maximum):
 def test_legacy_longest_cycle_fits_the_step_bound():
     """The rearrangement interval is collection + algorithm steps; at both maxima it is still
     within the step bound the V2 ``step_interval`` has."""
-    from eplb_graph.integrations.settings import control_settings_from_legacy
     from eplb_graph.integrations.settings.fields import MAX_STEPS, MAX_WINDOW_STEPS
+    from eplb_graph.integrations.settings.runtime_settings import settings_from_legacy
 
     config = LegacyEplbConfig(
         dynamic_eplb=True,
         expert_heat_collection_interval=MAX_WINDOW_STEPS,
         algorithm_execution_interval=MAX_STEPS - MAX_WINDOW_STEPS,
     )
-    assert control_settings_from_legacy(config).step_interval == MAX_STEPS
+    settings = settings_from_legacy(config, None, num_experts=8, ep_size=2, num_layers=None)
+    assert settings.step_interval == MAX_STEPS
 
 
 def test_legacy_huge_policy_type_is_described_not_printed():

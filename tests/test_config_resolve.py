@@ -6,9 +6,9 @@ import logging
 
 import pytest
 
-from eplb_graph import ControlSettings, Placement
+from eplb_graph import Placement, RuntimeSettings
 from eplb_graph.integrations.settings import EplbConfig, LegacyEplbConfig, known_policy_names
-from tests.config_helpers import NAMES, legacy, raises, resolve, write_map
+from tests.config_helpers import NAMES, control, legacy, raises, resolve, write_map
 
 
 def test_resolve_v2_happy_path_isolated_from_legacy():
@@ -17,8 +17,10 @@ def test_resolve_v2_happy_path_isolated_from_legacy():
         eplb_config={"window_size": 50, "step_interval": 50, "num_redundant_experts": 16},
         additional_config={"eplb_config": {"load_collection_phase": "prefill"}, "other": 1},
     )
-    assert resolved.control == ControlSettings(
-        window_size=50, step_interval=50, load_collection_phase="prefill", policy="default"
+    assert control(resolved) == control(
+        RuntimeSettings(
+            window_size=50, step_interval=50, load_collection_phase="prefill", policy="default"
+        )
     )
     assert resolved.num_physical_experts == 80 and resolved.record_map_path is None
     assert resolved.initial_placement is None  # no layer count given: no model yet
@@ -27,8 +29,8 @@ def test_resolve_v2_happy_path_isolated_from_legacy():
 def test_resolve_v2_with_defaults_only():
     resolved = resolve(enable_eplb=True, num_layers=2)
     defaults = EplbConfig()
-    assert resolved.control == ControlSettings(
-        window_size=defaults.window_size, step_interval=defaults.step_interval
+    assert control(resolved) == control(
+        RuntimeSettings(window_size=defaults.window_size, step_interval=defaults.step_interval)
     )
     assert resolved.num_redundant_experts == 0 and resolved.use_async
     assert resolved.initial_placement == Placement.default(2, 64, 0, 4)
@@ -57,13 +59,13 @@ def test_policy_names_are_read_from_the_registry_at_call_time(monkeypatch):
     monkeypatch.setitem(registry._POLICIES, "late_policy", registry.get_policy("default"))
     assert "late_policy" in known_policy_names()
     resolved = resolve(enable_eplb=True, eplb_config={"policy": "late_policy"}, policy_names=None)
-    assert resolved.control.policy == "late_policy"
+    assert resolved.policy == "late_policy"
 
 
 @pytest.mark.parametrize("policy", NAMES)
 def test_resolve_v2_async_is_accepted_with_every_policy(policy):
     resolved = resolve(enable_eplb=True, eplb_config={"use_async": True, "policy": policy})
-    assert resolved.use_async and resolved.control.policy == policy
+    assert resolved.use_async and resolved.policy == policy
 
 
 @pytest.mark.parametrize("ep_size", [1, 0])
@@ -102,7 +104,7 @@ def test_resolve_v2_slots_must_divide_over_ep_ranks():
 def test_resolve_v2_window_larger_than_interval_is_capped_with_a_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="eplb_graph.integrations.settings.resolve"):
         resolved = resolve(enable_eplb=True, eplb_config={"window_size": 500, "step_interval": 100})
-    assert (resolved.control.window_size, resolved.control.step_interval) == (100, 100)
+    assert (resolved.window_size, resolved.step_interval) == (100, 100)
     assert "window_size=500 exceeds step_interval=100" in caplog.text
     assert EplbConfig(window_size=10, step_interval=100).effective_window_size == 10
 
@@ -202,8 +204,13 @@ def test_resolve_legacy_dynamic_happy_path():
         )
     )
     # The legacy world's cycle: collect 100 steps, then 20 for the policy.
-    assert resolved.control == ControlSettings(
-        window_size=100, step_interval=120, load_collection_phase="prefill", policy="swift_balance"
+    assert control(resolved) == control(
+        RuntimeSettings(
+            window_size=100,
+            step_interval=120,
+            load_collection_phase="prefill",
+            policy="swift_balance",
+        )
     )
     assert resolved.num_physical_experts == 80 and resolved.record_map_path is None
 
@@ -227,7 +234,7 @@ def test_legacy_keys_without_enabling_are_rejected():
 def test_legacy_top_level_spelling_is_accepted_and_named_in_errors():
     resolved = resolve(additional_config={"dynamic_eplb": True, "num_redundant_experts": 4})
     assert resolved.rebalances and resolved.num_redundant_experts == 4
-    assert resolved.control.step_interval == 650  # the legacy cycle's defaults: 600 + 50
+    assert resolved.step_interval == 650  # the legacy cycle's defaults: 600 + 50
     with raises("additional_config.algorithm_execution_interval", "must be >= 1, got 0"):
         resolve(additional_config={"dynamic_eplb": True, "algorithm_execution_interval": 0})
 

@@ -5,27 +5,33 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 import eplb_graph
-from eplb_graph import Placement
-from eplb_graph.control import CollectionPhase, ControlSettings
-from eplb_graph.integrations.settings import (
-    control_settings_from_legacy,
-    control_settings_from_v2,
-)
-from tests.config_helpers import legacy, raises, resolve, write_map
+from eplb_graph import Placement, RuntimeSettings
+from eplb_graph.control import CollectionPhase
+from eplb_graph.integrations.settings.runtime_settings import settings_from_legacy, settings_from_v2
+from tests.config_helpers import control, legacy, raises, resolve, write_map
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The library core: it takes plain settings and must not know any host's vocabulary.
-CORE = ("control", "movement", "policy", "runtime.py", "placement.py", "state.py", "expert_map.py")
+CORE = (
+    "control",
+    "movement",
+    "policy",
+    "runtime.py",
+    "settings.py",
+    "placement.py",
+    "state.py",
+    "expert_map.py",
+)
 
 
 def test_settings_from_v2_config_cap_the_window_at_the_interval():
     config = eplb_graph.EplbConfig(
         window_size=500, step_interval=200, policy="default", load_collection_phase="decode"
     )
-    settings = control_settings_from_v2(config, num_groups=4, num_nodes=2)
+    settings = settings_from_v2(
+        config, num_experts=8, ep_size=2, num_layers=None, num_groups=4, num_nodes=2
+    )
     assert settings.effective_window_size == 200
     assert settings.load_collection_phase is CollectionPhase.DECODE
     assert (settings.num_groups, settings.num_nodes) == (4, 2)
@@ -39,12 +45,15 @@ def test_settings_from_a_legacy_config_follow_its_collection_cycle():
         eplb_policy_type=1,
         eplb_heat_collection_stage="decode",
     )
-    settings = control_settings_from_legacy(legacy_config)
+    settings = settings_from_legacy(legacy_config, None, num_experts=8, ep_size=2, num_layers=1)
     assert (settings.window_size, settings.step_interval) == (400, 450)
     assert settings.policy == "default"
     assert settings.load_collection_phase is CollectionPhase.DECODE
-    with pytest.raises(ValueError, match="only dynamic"):
-        control_settings_from_legacy(eplb_graph.LegacyEplbConfig())
+    assert settings.rebalances and settings.initial_placement == Placement.default(1, 8, 0, 2)
+    static = settings_from_legacy(
+        eplb_graph.LegacyEplbConfig(), None, num_experts=8, ep_size=2, num_layers=1
+    )
+    assert not static.rebalances  # a static map is served as loaded: no runtime
 
 
 def test_v2_runtime_settings_consume_every_field():
@@ -66,16 +75,18 @@ def test_v2_runtime_settings_consume_every_field():
         num_nodes=2,
         time_samples=4,
     )
-    assert settings.control == ControlSettings(
-        window_size=40,
-        step_interval=50,
-        load_collection_phase=CollectionPhase.PREFILL,
-        policy="flash_lb",
-        num_groups=8,
-        num_nodes=2,
-        log_balancedness=True,
-        log_balancedness_interval=5,
-        time_samples=4,
+    assert control(settings) == control(
+        RuntimeSettings(
+            window_size=40,
+            step_interval=50,
+            load_collection_phase=CollectionPhase.PREFILL,
+            policy="flash_lb",
+            num_groups=8,
+            num_nodes=2,
+            log_balancedness=True,
+            log_balancedness_interval=5,
+            time_samples=4,
+        )
     )
     assert settings.rebalances and settings.use_async is False
     assert settings.record_map_path is None and settings.communicator == "torch_gloo"
@@ -99,9 +110,9 @@ def test_legacy_dynamic_runtime_settings_follow_the_cycle():
         ),
         num_layers=2,
     )
-    assert (settings.control.window_size, settings.control.step_interval) == (100, 120)
-    assert settings.control.policy == "flash_lb"
-    assert settings.control.load_collection_phase is CollectionPhase.DECODE
+    assert (settings.window_size, settings.step_interval) == (100, 120)
+    assert settings.policy == "flash_lb"
+    assert settings.load_collection_phase is CollectionPhase.DECODE
     assert settings.use_async and settings.record_map_path is None
     assert settings.initial_placement == Placement.default(2, 64, 4, 4)
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
+from eplb_graph import RuntimeSettings
 from eplb_graph.arguments import SettingsError
-from eplb_graph.control import ControlSettings
 from eplb_graph.control.cost_model import (
     AGE_FROM,
     MIN_SAMPLES,
@@ -401,7 +401,7 @@ def test_moving_steps_are_priced_signed_against_the_idle_steps_just_before():
 
 def test_rearrange_setting_is_checked_and_reaches_the_planner():
     with pytest.raises(SettingsError, match="rearrange must be"):
-        ControlSettings(rearrange="sometimes")
+        RuntimeSettings(rearrange="sometimes")
     planner = PolicyPlanner("default", 40, 1, 1, RANKS, rearrange="when_it_pays", max_replicas=9)
     assert planner.gate is not None and planner.gate.max_replicas == 9
     assert PolicyPlanner("default", 40, 1, 1, RANKS).gate is None

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from eplb_graph import RuntimeSettings
 from eplb_graph.arguments import SettingsError
-from eplb_graph.control import ControlSettings
 from eplb_graph.control.planning import PolicyPlanner, predicted_gain
 from eplb_graph.control.window import WindowLoad
 from eplb_graph.placement import Placement
@@ -64,4 +64,4 @@ def test_a_nearly_balanced_window_is_left_alone_with_a_threshold_and_moved_witho
 @pytest.mark.parametrize("bad", [-1, 100, True, 2.5])
 def test_min_gain_percent_out_of_range_is_a_settings_error(bad):
     with pytest.raises(SettingsError, match="min_gain_percent"):
-        ControlSettings(min_gain_percent=bad)
+        RuntimeSettings(min_gain_percent=bad)

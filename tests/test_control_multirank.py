@@ -12,7 +12,8 @@ def _rank_body(rank: int, world_size: int, phase: str) -> dict:
     import torch.distributed as dist
 
     import eplb_graph
-    from eplb_graph.control import ControlSettings, EplbController, process_group_reducer
+    from eplb_graph import RuntimeSettings
+    from eplb_graph.control import EplbController, process_group_reducer
     from eplb_graph.control.window import reduce_window
     from eplb_graph.policy.registry import normalize_weight
     from tests.routing import route_and_record
@@ -34,7 +35,7 @@ def _rank_body(rank: int, world_size: int, phase: str) -> dict:
         plans.append(weight.clone())
         return None
 
-    settings = ControlSettings(window_size=6, step_interval=24, load_collection_phase=phase)
+    settings = RuntimeSettings(window_size=6, step_interval=24, load_collection_phase=phase)
 
     def reduce_and_plan(snapshot):  # the rebalance pipeline's first steps, inline
         rows = snapshot.copy_rows()

@@ -22,7 +22,7 @@ def _rank_body(rank: int, world_size: int, row_us: int, hot: int, penalty_ms: fl
     import time
 
     import eplb_graph
-    from eplb_graph import ControlSettings, EplbRuntime, GroupRing, MovementSettings
+    from eplb_graph import EplbRuntime, GroupRing, RuntimeSettings
     from tests.movement_fixtures import expert_payloads, rank_views, slot_mismatches
 
     placement = eplb_graph.Placement.default(LAYERS, EXPERTS, world_size, world_size)
@@ -32,11 +32,15 @@ def _rank_body(rank: int, world_size: int, row_us: int, hot: int, penalty_ms: fl
     runtime = EplbRuntime(
         state,
         views,
-        ControlSettings(window_size=16, step_interval=16, rearrange="when_it_pays"),
+        RuntimeSettings(
+            window_size=16,
+            step_interval=16,
+            rearrange="when_it_pays",
+            use_async=False,
+            exchange_timeout_s=30,
+        ),
         GroupRing(size=1, timeout_s=30),
         rank,
-        use_async=False,
-        movement=MovementSettings(exchange_timeout_s=30),
         record_load=rank == 0,  # replicated routing: every rank routes the same tokens
     )
     generator = torch.Generator().manual_seed(3)  # the same tokens on every rank

@@ -6,10 +6,9 @@ import pytest
 import torch
 
 import eplb_graph
-from eplb_graph import MovementSettings
+from eplb_graph import RuntimeSettings
 from eplb_graph.arguments import SettingsError
 from eplb_graph.control import (
-    ControlSettings,
     EplbController,
     LoadWindow,
 )
@@ -91,14 +90,14 @@ def _run(controller: EplbController, steps: int, *, prefill_every: int = 0, load
 
 
 def test_first_rearrangement_after_quarter_interval_then_every_interval():
-    settings = ControlSettings(window_size=4, step_interval=20)
+    settings = RuntimeSettings(window_size=4, step_interval=20)
     controller = _controller(_state(), settings)
     reports = _run(controller, 65)
     assert [step for step, _ in reports] == [5, 25, 45, 65]
 
 
 def test_recording_only_within_window_of_next_rearrangement():
-    settings = ControlSettings(window_size=3, step_interval=10)
+    settings = RuntimeSettings(window_size=3, step_interval=10)
     controller = _controller(_state(), settings)
     recorded = []
     for _ in range(12):
@@ -124,7 +123,7 @@ def test_recording_only_within_window_of_next_rearrangement():
 
 @pytest.mark.parametrize("phase", ["prefill", "decode", "all"])
 def test_phase_filter_zero_load_but_window_advances(phase):
-    settings = ControlSettings(window_size=8, step_interval=32, load_collection_phase=phase)
+    settings = RuntimeSettings(window_size=8, step_interval=32, load_collection_phase=phase)
     controller = _controller(_state(), settings)
     reports = _run(controller, 8, prefill_every=2)  # steps 0,2,4,6 prefill
     assert controller.window.steps_seen == 8
@@ -137,7 +136,7 @@ def test_phase_filter_zero_load_but_window_advances(phase):
 
 def test_unknown_phase_rejected_with_choices():
     with pytest.raises(ValueError, match="load_collection_phase must be one of 'all'"):
-        ControlSettings(load_collection_phase="chunked")
+        RuntimeSettings(load_collection_phase="chunked")
 
 
 def test_no_collective_and_no_handoff_on_steps_where_nothing_is_due():
@@ -149,7 +148,7 @@ def test_no_collective_and_no_handoff_on_steps_where_nothing_is_due():
         calls.append(tensor.numel())
         return tensor
 
-    settings = ControlSettings(window_size=5, step_interval=40)
+    settings = RuntimeSettings(window_size=5, step_interval=40)
     controller = _controller(_state(), settings, reduce=counting_reduce)
     plans = _run(controller, 90)  # closes at 10, 50, 90
     assert calls == []
@@ -158,7 +157,7 @@ def test_no_collective_and_no_handoff_on_steps_where_nothing_is_due():
 
 def test_balancedness_logging_is_one_collective_per_interval(caplog):
     calls = []
-    settings = ControlSettings(
+    settings = RuntimeSettings(
         window_size=4, step_interval=100, log_balancedness=True, log_balancedness_interval=5
     )
     controller = _controller(_state(), settings, reduce=lambda t: (calls.append(t.numel()), t)[1])
@@ -174,7 +173,7 @@ def test_planner_sees_logical_load_of_the_real_routing_op():
     """End to end through map_and_record: the folded logical load equals the router's picks."""
     state = _state(layers=1, experts=4, redundant=4, ranks=2)
     seen = []
-    settings = ControlSettings(window_size=4, step_interval=16, time_samples=2)
+    settings = RuntimeSettings(window_size=4, step_interval=16, time_samples=2)
     controller = _controller(state, settings, lambda load: seen.append(load))
     generator = torch.Generator().manual_seed(0)
     expected = torch.zeros(4, dtype=torch.int64)
@@ -199,7 +198,7 @@ def test_planner_sees_logical_load_of_the_real_routing_op():
 
 def test_window_plan_reports_balancedness_of_the_executed_slot_load():
     state = _state(layers=1, experts=2, redundant=2, ranks=2)  # slots [0 1 | 0 1]
-    controller = _controller(state, ControlSettings(window_size=1, step_interval=4))
+    controller = _controller(state, RuntimeSettings(window_size=1, step_interval=4))
     controller.begin_step(has_prefill=False, num_valid_tokens=1)
     state.load[0].copy_(torch.tensor([4, 0, 1, 1]))  # rank loads 4 and 2
     controller.end_step()
@@ -208,7 +207,7 @@ def test_window_plan_reports_balancedness_of_the_executed_slot_load():
 
 
 def test_controller_window_is_capped_at_the_interval():
-    controller = _controller(_state(), ControlSettings(window_size=50, step_interval=8))
+    controller = _controller(_state(), RuntimeSettings(window_size=50, step_interval=8))
     assert controller.window.window_size == 8
 
 
@@ -218,7 +217,7 @@ def test_window_close_reports_current_and_planned_hotness():
     state = _state(layers=1, experts=4, redundant=4, ranks=2)  # slots: [0 1 2 3 | 0 1 2 3]
     better = torch.tensor([[0, 1, 2, 0, 3, 0, 1, 2]])  # any valid plan to report on
     controller = _controller(
-        state, ControlSettings(window_size=4, step_interval=8), lambda load: better
+        state, RuntimeSettings(window_size=4, step_interval=8), lambda load: better
     )
     for _ in range(2):
         controller.begin_step(has_prefill=False, num_valid_tokens=4)
@@ -248,7 +247,7 @@ def test_window_close_reports_current_and_planned_hotness():
 def test_a_rank_that_does_not_record_load_only_takes_its_steps():
     """Replicated routing: only one rank records, so the cross-rank sum counts tokens once."""
     state = _state()
-    controller = _controller(state, ControlSettings(window_size=4, step_interval=8))
+    controller = _controller(state, RuntimeSettings(window_size=4, step_interval=8))
     controller.record_load = False
     plans = _run(controller, 8, load_value=3)
     assert controller.window.steps_seen == 8
@@ -267,16 +266,10 @@ def test_a_rank_that_does_not_record_load_only_takes_its_steps():
         ({"log_balancedness": "yes"}, "log_balancedness must be True or False"),
         ({"policy": ""}, "policy must be a policy name"),
         ({"policy_options": {1: 2}}, "policy_options must be a dict"),
-    ],
-)
-def test_control_settings_refuse_what_would_fail_later(keywords, match):
-    with pytest.raises(SettingsError, match=match):
-        ControlSettings(**keywords)
-
-
-@pytest.mark.parametrize(
-    ("keywords", "match"),
-    [
+        ({"rebalances": 1}, "rebalances must be True or False"),
+        ({"num_experts": 0}, "num_experts must be >= 1"),
+        ({"num_redundant_experts": -1}, "num_redundant_experts must be >= 0"),
+        ({"initial_placement": "map.json"}, "initial_placement must be a Placement"),
         ({"layers_per_step": 0}, "layers_per_step must be >= 1"),
         ({"commit_margin_steps": 1.5}, "commit_margin_steps must be an integer"),
         ({"exchange_timeout_s": float("nan")}, "finite number of seconds"),
@@ -284,6 +277,6 @@ def test_control_settings_refuse_what_would_fail_later(keywords, match):
         ({"staging_blocks": 0}, "staging_blocks must be >= 1"),
     ],
 )
-def test_movement_settings_refuse_what_would_fail_later(keywords, match):
+def test_runtime_settings_refuse_what_would_fail_later(keywords, match):
     with pytest.raises(SettingsError, match=match):
-        MovementSettings(**keywords)
+        RuntimeSettings(**keywords)

@@ -19,12 +19,11 @@ import pytest
 import torch
 
 from eplb_graph import (
-    ControlSettings,
     EplbRuntime,
     EplbState,
     GroupRing,
-    MovementSettings,
     Placement,
+    RuntimeSettings,
 )
 from tests.distributed import run_ranks
 from tests.movement_fixtures import expert_payloads, rank_views, slot_mismatches
@@ -72,10 +71,9 @@ def _serve(rank, world_size, steps, window, step_ms, extra_ms_on_rank1):
     runtime = EplbRuntime(
         state,
         views,
-        ControlSettings(window_size=window, step_interval=window),
+        RuntimeSettings(window_size=window, step_interval=window),
         GroupRing(size=2, timeout_s=30),
         rank,
-        movement=MovementSettings(),
         planner=ShufflingPlanner(placement.phy2log.clone()),
     )
     generator = torch.Generator().manual_seed(rank)

@@ -21,8 +21,7 @@ def _harness(rank, world_size, *, fault, planner=None, window=None, seed=5, dela
     import torch
 
     import eplb_graph
-    from eplb_graph.control import ControlSettings
-    from eplb_graph.movement.settings import MovementSettings
+    from eplb_graph import RuntimeSettings
     from eplb_graph.movement.transport import GroupRing
     from eplb_graph.runtime import EplbRuntime
     from tests.movement_fixtures import expert_payloads, rank_views
@@ -31,16 +30,19 @@ def _harness(rank, world_size, *, fault, planner=None, window=None, seed=5, dela
     state = eplb_graph.EplbState(placement, rank=rank)
     payloads = [expert_payloads(FORMAT, layer, EXPERTS) for layer in range(LAYERS)]
     views = rank_views(FORMAT, placement.phy2log, rank, world_size, payloads)
-    control = ControlSettings(**(window or {"window_size": 4, "step_interval": 10**6}))
+    settings = RuntimeSettings(
+        **(window or {"window_size": 4, "step_interval": 10**6}),
+        layers_per_step=1,
+        exchange_timeout_s=2.0,
+        agree_timeout_s=2.0,
+        commit_margin_steps=50,
+    )
     runtime = EplbRuntime(
         state,
         views,
-        control,
+        settings,
         GroupRing(size=4, timeout_s=4),
         rank,
-        movement=MovementSettings(
-            layers_per_step=1, exchange_timeout_s=2.0, agree_timeout_s=2.0, commit_margin_steps=50
-        ),
         planner=planner,
         fault_hook=fault,
     )

@@ -23,8 +23,7 @@ def _body(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
 
     import eplb_graph
-    from eplb_graph.control import ControlSettings
-    from eplb_graph.movement.settings import MovementSettings
+    from eplb_graph import RuntimeSettings
     from eplb_graph.movement.transport import GroupRing
     from eplb_graph.runtime import EplbRuntime
     from tests.movement_fixtures import expert_payloads, random_placement, rank_views
@@ -37,10 +36,15 @@ def _body(rank: int, world_size: int) -> dict:
         state,
         views,
         # A window every 8 steps, each planned and kept (no plan cuts the load by 99%).
-        ControlSettings(window_size=8, step_interval=8, min_gain_percent=99),
+        RuntimeSettings(
+            window_size=8,
+            step_interval=8,
+            min_gain_percent=99,
+            layers_per_step=1,
+            exchange_timeout_s=30,
+        ),
         GroupRing(size=1, timeout_s=30),
         rank,
-        movement=MovementSettings(layers_per_step=1, exchange_timeout_s=30),
     )
     lockstep = torch.zeros(1)
 

@@ -17,8 +17,7 @@ def _movement_body(rank: int, world_size: int, formats: list[str]) -> dict:
     import torch.distributed as dist
 
     import eplb_graph
-    from eplb_graph.control import ControlSettings
-    from eplb_graph.movement.settings import MovementSettings
+    from eplb_graph import RuntimeSettings
     from eplb_graph.movement.transport import GroupRing
     from eplb_graph.runtime import EplbRuntime
     from tests.movement_fixtures import (
@@ -40,12 +39,15 @@ def _movement_body(rank: int, world_size: int, formats: list[str]) -> dict:
         runtime = EplbRuntime(
             state,
             views,
-            ControlSettings(window_size=8, step_interval=10**6),  # no automatic windows
+            RuntimeSettings(
+                window_size=8,
+                step_interval=10**6,  # no automatic windows
+                layers_per_step=1,
+                exchange_timeout_s=30,
+                commit_margin_steps=50,
+            ),
             groups,
             rank,
-            movement=MovementSettings(
-                layers_per_step=1, exchange_timeout_s=30, commit_margin_steps=50
-            ),
         )
         generator = torch.Generator().manual_seed(11)  # identical plans on every rank
         commit_steps: list[tuple[int, int]] = []
@@ -141,7 +143,7 @@ def _sync_body(rank: int, world_size: int) -> dict:
     import torch
 
     import eplb_graph
-    from eplb_graph.control import ControlSettings
+    from eplb_graph import RuntimeSettings
     from eplb_graph.movement.transport import GroupRing
     from eplb_graph.runtime import EplbRuntime
     from tests.movement_fixtures import (
@@ -158,10 +160,9 @@ def _sync_body(rank: int, world_size: int) -> dict:
     runtime = EplbRuntime(
         state,
         views,
-        ControlSettings(window_size=4, step_interval=10**6),
+        RuntimeSettings(window_size=4, step_interval=10**6, use_async=False),
         GroupRing(size=1, timeout_s=30),
         rank,
-        use_async=False,
     )
     generator = torch.Generator().manual_seed(5)
     for _ in range(ROUNDS):
@@ -186,8 +187,7 @@ def _record_body(rank: int, world_size: int, path: str, duplicated: bool = False
     import torch
 
     import eplb_graph
-    from eplb_graph.control import ControlSettings
-    from eplb_graph.movement.settings import MovementSettings
+    from eplb_graph import RuntimeSettings
     from eplb_graph.movement.transport import GroupRing
     from eplb_graph.runtime import EplbRuntime
     from tests.movement_fixtures import expert_payloads, random_placement, rank_views
@@ -204,12 +204,15 @@ def _record_body(rank: int, world_size: int, path: str, duplicated: bool = False
     runtime = EplbRuntime(
         state,
         views,
-        ControlSettings(window_size=4, step_interval=16),  # first window closes at step 4
+        RuntimeSettings(
+            window_size=4,
+            step_interval=16,  # first window closes at step 4
+            commit_margin_steps=50,
+            record_map_path=path,
+        ),
         GroupRing(size=1, timeout_s=30),
         rank,
-        movement=MovementSettings(commit_margin_steps=50),
         planner=lambda load: target,
-        record_map_path=path,
     )
     lockstep = torch.zeros(1)
     import torch.distributed as dist

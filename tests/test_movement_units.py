@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from eplb_graph import RuntimeSettings
 from eplb_graph.control.planning import PolicyPlanner
 from eplb_graph.control.window import WindowLoad
 from eplb_graph.movement.commit import StepClock
@@ -225,9 +227,9 @@ def test_commit_steps_never_go_backwards_when_the_margin_shrinks():
 # -- staging memory: capped by the model, bounded by a budget ------------------------------------
 
 
-def _runtime(tmp_path, movement):
+def _runtime(tmp_path, settings):
     """A sync, one-rank runtime over a 2-layer model (nothing is moved: only start-up matters)."""
-    from eplb_graph import ControlSettings, EplbRuntime, EplbState, Placement
+    from eplb_graph import EplbRuntime, EplbState, Placement
 
     placement = Placement.default(2, 4, 0, 1)
     payloads = [expert_payloads("unquantized", layer, 4) for layer in range(2)]
@@ -242,38 +244,52 @@ def _runtime(tmp_path, movement):
     return EplbRuntime(
         EplbState(placement, rank=0),
         rank_views("unquantized", placement.phy2log, 0, 1, payloads),
-        ControlSettings(window_size=4, step_interval=4),
+        dataclasses.replace(settings, window_size=4, step_interval=4, use_async=False),
         lambda: None,
         0,
-        use_async=False,
-        movement=movement,
         agreement=agreement,
     ), payloads
 
 
 def test_layers_per_step_beyond_the_model_sizes_staging_by_the_model(tmp_path):
-    from eplb_graph import MovementSettings
-
-    runtime, payloads = _runtime(tmp_path, MovementSettings(layers_per_step=1024))
+    runtime, payloads = _runtime(tmp_path, RuntimeSettings(layers_per_step=1024))
     try:
         # 2 layers: at most 2 blocks (not 2 x 1024), each reads + receives 4 slots.
-        assert runtime.movement.layers_per_step == 2
+        assert runtime.settings.layers_per_step == 2
         assert len(runtime.pool.blocks) == 2
         assert runtime.pool.nbytes == 2 * 2 * 4 * payloads[0].shape[1]
     finally:
         runtime.close()
 
 
+@pytest.mark.parametrize(
+    ("model", "match"),
+    [
+        ({"num_experts": 8}, "describe 8 experts but the state holds 4"),
+        ({"num_experts": 4, "num_redundant_experts": 4}, "8 physical slots but the state holds 4"),
+        ({"ep_size": 2}, "describe 2 EP ranks but the state holds 1"),
+    ],
+)
+def test_a_runtime_refuses_settings_resolved_for_another_model(tmp_path, model, match):
+    """Settings carry the model they were resolved for; a state built for another must not run
+    under them (its tables and the plans would disagree on every slot)."""
+    from eplb_graph.arguments import SettingsError
+
+    with pytest.raises(SettingsError, match=match):
+        _runtime(tmp_path, RuntimeSettings(**model))
+    runtime, _ = _runtime(tmp_path, RuntimeSettings(num_experts=4, ep_size=1))
+    runtime.close()
+
+
 def test_staging_beyond_its_budget_fails_at_start_naming_the_field_and_the_fix(tmp_path):
-    from eplb_graph import MovementSettings
     from eplb_graph.movement.staging import StagingBudgetError
 
     slot_nbytes = int(expert_payloads("unquantized", 0, 4).shape[1])
     needed = 2 * 2 * 4 * slot_nbytes  # default 2 blocks on a 2-layer model
     with pytest.raises(StagingBudgetError, match="raise staging_budget_bytes to at least") as info:
-        _runtime(tmp_path, MovementSettings(staging_budget_bytes=needed - 1))
+        _runtime(tmp_path, RuntimeSettings(staging_budget_bytes=needed - 1))
     assert (info.value.needed, info.value.budget) == (needed, needed - 1)
-    runtime, _ = _runtime(tmp_path, MovementSettings(staging_budget_bytes=needed))
+    runtime, _ = _runtime(tmp_path, RuntimeSettings(staging_budget_bytes=needed))
     runtime.close()
 
 

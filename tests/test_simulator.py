@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from eplb_graph.control import ControlSettings
+from eplb_graph import RuntimeSettings
 from eplb_graph.simulate import (
     ClusterShape,
     LoadTrace,
@@ -105,7 +105,7 @@ def test_transfers_between_counts_cross_rank_copies_once_per_rank():
 
 def test_simulation_balances_better_than_eplb_off_and_reports_churn():
     trace = generate_trace(SMALL)
-    settings = ControlSettings(window_size=40, step_interval=150, policy="default")
+    settings = RuntimeSettings(window_size=40, step_interval=150, policy="default")
     cluster = ClusterShape(num_redundant=8, num_ranks=4, expert_bytes=1000)
     report = simulate(trace, settings, cluster)
     assert report.balancedness > report.balancedness_baseline + 0.05
@@ -126,7 +126,7 @@ def test_phase_filter_changes_what_the_policy_sees():
     results = {
         phase: simulate(
             trace,
-            ControlSettings(
+            RuntimeSettings(
                 window_size=40, step_interval=150, policy="default", load_collection_phase=phase
             ),
             cluster,

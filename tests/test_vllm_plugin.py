@@ -318,9 +318,9 @@ def test_vllm_accepts_eplb_on_cpu_with_the_plugin(engine_args):
     ).create_engine_config()
     assert config.parallel_config.enable_eplb
     settings = eplb_settings(config, num_layers=2)
-    assert settings.control.policy == "churn_aware"
-    assert (settings.control.window_size, settings.control.step_interval) == (4, 8)
-    assert settings.movement.layers_per_step == 2
+    assert settings.policy == "churn_aware"
+    assert (settings.window_size, settings.step_interval) == (4, 8)
+    assert settings.layers_per_step == 2
     assert settings.num_redundant_experts == 2 and settings.use_async
     # The one settings path every host takes: vLLM's settings are resolve_eplb_config's value.
     expected = resolve_eplb_config(
@@ -426,7 +426,7 @@ def test_the_models_shape_is_checked_where_vllm_builds_its_config(engine_args, t
     config = engine_args(
         additional_config={"eplb_graph": {"layers_per_step": 65536}}
     ).create_engine_config()
-    assert eplb_settings(config).movement.layers_per_step == 2
+    assert eplb_settings(config).layers_per_step == 2
 
 
 def test_moe_layer_counts_follow_each_familys_rule():
@@ -561,9 +561,9 @@ def test_min_gain_percent_reaches_the_planner(engine_args):
     config = engine_args(
         additional_config={"eplb_graph": {"min_gain_percent": 5}}
     ).create_engine_config()
-    assert eplb_settings(config, num_layers=2).control.min_gain_percent == 5
+    assert eplb_settings(config, num_layers=2).min_gain_percent == 5
     default = eplb_settings(engine_args().create_engine_config(), num_layers=2)
-    assert default.control.min_gain_percent == 0
+    assert default.min_gain_percent == 0
 
 
 @pytest.mark.vllm
@@ -574,10 +574,10 @@ def test_rearrange_defaults_to_when_it_pays_where_the_experts_are_timed(engine_a
     from eplb_graph.integrations.vllm.settings import ConfigError, eplb_settings
 
     default = engine_args().create_engine_config()
-    assert eplb_settings(default, num_layers=2).control.rearrange == "when_it_pays"
-    assert eplb_settings(default, num_layers=2, timed_experts=False).control.rearrange == "always"
+    assert eplb_settings(default, num_layers=2).rearrange == "when_it_pays"
+    assert eplb_settings(default, num_layers=2, timed_experts=False).rearrange == "always"
     always = engine_args(additional_config={"eplb_graph": {"rearrange": "always"}})
-    assert eplb_settings(always.create_engine_config(), num_layers=2).control.rearrange == "always"
+    assert eplb_settings(always.create_engine_config(), num_layers=2).rearrange == "always"
     gate = engine_args(additional_config={"eplb_graph": {"rearrange": "when_it_pays"}})
     with pytest.raises(ConfigError, match=r"eplb_graph\.rearrange.*do not record"):
         eplb_settings(gate.create_engine_config(), num_layers=2, timed_experts=False)
@@ -592,12 +592,9 @@ def test_record_windows_needs_a_metrics_path_and_names_the_file(engine_args, tmp
     assert info.value.field == f"{PREFIX}.record_windows"
     section = {"record_windows": True, "metrics_path": str(tmp_path / "metrics")}
     config = engine_args(additional_config={"eplb_graph": section}).create_engine_config()
-    control = eplb_settings(config, num_layers=2).control
+    control = eplb_settings(config, num_layers=2)
     assert control.windows_path == str(tmp_path / "metrics" / "windows.jsonl")
-    assert (
-        eplb_settings(engine_args().create_engine_config(), num_layers=2).control.windows_path
-        is None
-    )
+    assert eplb_settings(engine_args().create_engine_config(), num_layers=2).windows_path is None
 
 
 @pytest.mark.vllm
@@ -607,7 +604,7 @@ def test_each_load_collection_phase_spelling_filters_the_load(engine_args, spell
     from eplb_graph.integrations.vllm.settings import eplb_settings
 
     config = engine_args(additional_config=_PHASE_SPELLINGS[spelling]).create_engine_config()
-    control = eplb_settings(config, num_layers=2).control
+    control = eplb_settings(config, num_layers=2)
     state = eplb_graph.EplbState(eplb_graph.Placement.default(2, 8, 2, 2))
     controller = EplbController(state, control, lambda snapshot: None)
     recorded = []

@@ -3,13 +3,13 @@
 - ``phases``: which batches' load is collected;
 - ``window``: the device ring of load passes, its snapshots and their cross-rank reduction;
 - ``planning``: a reduced window through a registered policy (and what it tells us);
-- ``controller``: the per-step state machine that closes windows and hands them on;
-- ``settings``: its plain settings object.
+- ``controller``: the per-step state machine that closes windows and hands them on.
+
+Its settings are :class:`eplb_graph.settings.RuntimeSettings` (one value for both planes).
 """
 
 from eplb_graph.control.controller import EplbController
 from eplb_graph.control.phases import BatchPhase, CollectionPhase
-from eplb_graph.control.settings import ControlSettings
 from eplb_graph.control.window import (
     LoadWindow,
     WindowLoad,
@@ -21,7 +21,6 @@ from eplb_graph.control.window import (
 __all__ = [
     "BatchPhase",
     "CollectionPhase",
-    "ControlSettings",
     "EplbController",
     "LoadWindow",
     "WindowLoad",

@@ -20,12 +20,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from eplb_graph.control.feedback import ServingFeedback
 from eplb_graph.control.phases import BatchPhase
-from eplb_graph.control.settings import ControlSettings
 from eplb_graph.control.window import (
     LoadReducer,
     LoadWindow,
@@ -35,6 +35,9 @@ from eplb_graph.control.window import (
 )
 from eplb_graph.policy.metrics import balancedness_of_slots
 from eplb_graph.state import EplbState
+
+if TYPE_CHECKING:  # the settings module imports the control plane's phases
+    from eplb_graph.settings import RuntimeSettings
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +63,7 @@ class EplbController:
     def __init__(
         self,
         state: EplbState,
-        settings: ControlSettings,
+        settings: RuntimeSettings,
         on_window_closed: WindowSink,
         *,
         reduce: LoadReducer = local_reducer,

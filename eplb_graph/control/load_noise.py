@@ -7,7 +7,7 @@ nothing (the next window's noise is elsewhere) and costs a move: on the benefit 
 moved on a uniform router this way once the cheap candidate (a few priced moves) existed.
 
 The window already holds what is needed to tell noise from skew: its load comes in time buckets
-(``ControlSettings.time_samples``). Per layer, each bucket's rows are turned into shares of that
+(``RuntimeSettings.time_samples``). Per layer, each bucket's rows are turned into shares of that
 bucket (so a batch that grew within the window is not mistaken for noise), and
 
 - the **noise** of an expert's mean share is the spread of its share across buckets over the

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from eplb_graph.control import ControlSettings
 from eplb_graph.demo.options import (  # noqa: F401  (COMPILE_BACKENDS, MAX_SEED: re-exported)
     COMPILE_BACKENDS,
     MAX_SEED,
@@ -30,12 +29,12 @@ from eplb_graph.models.ep_moe import (
     EpMoERank,
     ExpertCheckpoint,
 )
-from eplb_graph.movement.settings import MovementSettings
 from eplb_graph.movement.transport import GroupRing
 from eplb_graph.placement import Placement
 from eplb_graph.policy.metrics import balancedness
 from eplb_graph.progress import ProgressBar, announce
 from eplb_graph.runtime import EplbRuntime
+from eplb_graph.settings import RuntimeSettings
 from eplb_graph.state import EplbState
 
 logger = logging.getLogger(__name__)
@@ -96,15 +95,16 @@ def run_rank(rank: int, world_size: int, options: DemoOptions) -> dict | None:
     runtime = EplbRuntime(
         state,
         model.views,
-        ControlSettings(
+        RuntimeSettings(
             window_size=options.window_size,
             step_interval=options.step_interval,
             policy=options.policy,
             rearrange=options.rearrange,
+            layers_per_step=options.layers_per_step,
+            commit_margin_steps=8,
         ),
         groups,
         rank,
-        movement=MovementSettings(layers_per_step=options.layers_per_step, commit_margin_steps=8),
     )
     pointers = [view.data_ptrs() for view in model.views], state.data_ptrs()
     traffic = DemoTraffic(

@@ -31,6 +31,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -39,7 +40,6 @@ from eplb_graph.control.planning import plan_window
 from eplb_graph.control.window import WindowSnapshot, reduce_window
 from eplb_graph.movement.commit import InstallNow, PublishAtAgreedStep, PublishedLayer
 from eplb_graph.movement.planner import plan_transfer
-from eplb_graph.movement.settings import MovementSettings
 from eplb_graph.movement.staging import StagingPool, stage_reads_
 from eplb_graph.movement.transport import (
     Decision,
@@ -49,6 +49,9 @@ from eplb_graph.movement.transport import (
     probe_group,
 )
 from eplb_graph.state import EplbState
+
+if TYPE_CHECKING:  # the settings module imports the control plane's phases
+    from eplb_graph.settings import RuntimeSettings
 
 logger = logging.getLogger(__name__)
 
@@ -134,11 +137,11 @@ class RebalancePipeline:
         agreement: the store-decided votes all ranks act on.
         delivery: :class:`PublishAtAgreedStep` (async) or :class:`InstallNow` (sync).
         planner: ``WindowLoad -> phy2log | None`` for window jobs.
-        time_samples: time buckets the window is folded into for the policy.
-        settings: chunking, timeouts.
+        settings: chunking, timeouts, the time buckets the window is folded into for the
+            policy (``time_samples``), and record mode (``record_map_path``: write each agreed
+            plan to that expert-map JSON (rank 0) and never move weights or change the
+            placement).
         fault_hook: test-only fault injection.
-        record_map_path: record mode: write each agreed plan to this expert-map JSON (rank 0)
-            and never move weights or change the placement.
     """
 
     def __init__(
@@ -152,10 +155,8 @@ class RebalancePipeline:
         delivery: PublishAtAgreedStep | InstallNow,
         *,
         planner: Callable | None,
-        time_samples: int,
-        settings: MovementSettings,
+        settings: RuntimeSettings,
         fault_hook: FaultHook | None = None,
-        record_map_path: str | None = None,
     ) -> None:
         self.state = state
         self.views = views_per_layer(state, views)
@@ -165,10 +166,10 @@ class RebalancePipeline:
         self.agreement = agreement
         self.delivery = delivery
         self.planner = planner
-        self.time_samples = time_samples
+        self.time_samples = settings.time_samples
         self.settings = settings
         self.fault_hook = fault_hook or (lambda point, layer: None)
-        self.record_map_path = record_map_path
+        self.record_map_path = settings.record_map_path
         self.stats = RebalanceStats()
         self._generation = 0
         self.moves_started = 0

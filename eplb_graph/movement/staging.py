@@ -39,7 +39,7 @@ class StagingOwnershipError(EplbError, RuntimeError):
 
 
 class StagingBudgetError(EplbError, ValueError):
-    """The staging blocks would take more memory than ``MovementSettings.staging_budget_bytes``.
+    """The staging blocks would take more memory than ``RuntimeSettings.staging_budget_bytes``.
 
     Raised at start-up, before anything is allocated. ``needed`` and ``budget`` are bytes;
     ``blocks``, ``slots_per_rank`` and ``slot_nbytes`` say where ``needed`` comes from, so an

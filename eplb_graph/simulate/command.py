@@ -230,8 +230,8 @@ def check_cluster(trace: LoadTrace, cluster: ClusterShape, policies: list[str]) 
 
 def _prepare(args: argparse.Namespace):
     """Everything the replay needs, checked: ``(trace, cluster, settings per policy)``."""
-    from eplb_graph.control import ControlSettings
     from eplb_graph.policy import get_policy
+    from eplb_graph.settings import RuntimeSettings
     from eplb_graph.simulate.simulator import ClusterShape
 
     if args.json is not None:
@@ -253,7 +253,7 @@ def _prepare(args: argparse.Namespace):
     check_cluster(trace, cluster, policies)
     warn_if_window_capped(args.window_size, args.step_interval)
     settings = [
-        ControlSettings(
+        RuntimeSettings(
             window_size=args.window_size,
             step_interval=args.step_interval,
             load_collection_phase=args.load_collection_phase,

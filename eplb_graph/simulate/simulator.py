@@ -18,11 +18,11 @@ import torch
 
 from eplb_graph.control.controller import EplbController
 from eplb_graph.control.planning import PolicyPlanner, WindowPlan, plan_window
-from eplb_graph.control.settings import ControlSettings
 from eplb_graph.control.window import WindowSnapshot, local_reducer, reduce_window
 from eplb_graph.placement import Placement
 from eplb_graph.policy.metrics import balancedness_of_slots
 from eplb_graph.progress import ProgressBar
+from eplb_graph.settings import RuntimeSettings
 from eplb_graph.simulate.trace import LoadTrace
 from eplb_graph.state import EplbState
 
@@ -105,7 +105,7 @@ class _EvenSplit:
 
 def simulate(
     trace: LoadTrace,
-    settings: ControlSettings,
+    settings: RuntimeSettings,
     cluster: ClusterShape,
     *,
     progress: bool = False,
@@ -126,7 +126,7 @@ def simulate(
 
 def _simulate(
     trace: LoadTrace,
-    settings: ControlSettings,
+    settings: RuntimeSettings,
     cluster: ClusterShape,
     *,
     progress: bool,

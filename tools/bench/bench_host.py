@@ -39,9 +39,9 @@ from eplb_graph.control.controller import EplbController
 from eplb_graph.control.cost_model import CostMoments, ExpertCostModel
 from eplb_graph.control.feedback import ServingFeedback, WindowFeedback, feedback_size
 from eplb_graph.control.planning import PolicyPlanner
-from eplb_graph.control.settings import ControlSettings
 from eplb_graph.control.window import WindowLoad
 from eplb_graph.placement import Placement
+from eplb_graph.settings import RuntimeSettings
 from eplb_graph.state import EplbState
 
 SHAPES = {
@@ -57,7 +57,7 @@ def step_variants() -> dict:
     for name, (layers, logical, redundant, ranks) in SHAPES.items():
         state = EplbState(Placement.default(layers, logical, redundant, ranks), max_replicas=4)
         controller = EplbController(
-            state, ControlSettings(window_size=32, step_interval=10**9), lambda window: None
+            state, RuntimeSettings(window_size=32, step_interval=10**9), lambda window: None
         )
         controller.feedback.model_source = lambda: MODEL
         advance = torch.tensor([16, 3_000_000, 8], dtype=torch.int64)

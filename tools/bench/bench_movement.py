@@ -277,8 +277,7 @@ def _commit_part(rank: int, world_size: int, config: ExchangeConfig, views) -> d
     """Part 3: rearrange through ``EplbRuntime`` and back; per-layer commit time, main thread."""
     import torch.distributed as dist
 
-    from eplb_graph.control import ControlSettings
-    from eplb_graph.movement.settings import MovementSettings
+    from eplb_graph import RuntimeSettings
     from eplb_graph.movement.transport import GroupRing
     from eplb_graph.placement import Placement
     from eplb_graph.runtime import EplbRuntime
@@ -292,15 +291,16 @@ def _commit_part(rank: int, world_size: int, config: ExchangeConfig, views) -> d
     runtime = EplbRuntime(
         state,
         views,
-        ControlSettings(window_size=8, step_interval=10**6),  # no automatic windows
-        groups,
-        rank,
-        movement=MovementSettings(
+        RuntimeSettings(
+            window_size=8,
+            step_interval=10**6,  # no automatic windows
             layers_per_step=1,
             commit_margin_steps=config.commit_margin_steps,
             exchange_timeout_s=120,
             agree_timeout_s=120,
         ),
+        groups,
+        rank,
     )
     target_tables = [new.expand(config.layers, -1).clone(), old.expand(config.layers, -1).clone()]
     walls, commit_step_s, idle_step_s, steps_taken, retries = [], [], [], [], 0
@@ -556,7 +556,7 @@ class NoGroups:
 
 
 def bench_main_thread(threads: int, quick: bool) -> dict:
-    from eplb_graph.control import ControlSettings
+    from eplb_graph import RuntimeSettings
     from eplb_graph.movement.views import UnquantizedView
     from eplb_graph.placement import Placement
     from eplb_graph.runtime import EplbRuntime
@@ -576,7 +576,7 @@ def bench_main_thread(threads: int, quick: bool) -> dict:
     ]
     groups = NoGroups()
     runtime = EplbRuntime(
-        state, views, ControlSettings(window_size=window, step_interval=10**9), groups, 0
+        state, views, RuntimeSettings(window_size=window, step_interval=10**9), groups, 0
     )
     controller, scheduler = runtime.controller, runtime.scheduler
     # The floor writes the window's own rows in ring order (each step a cache-cold 133 KB row,

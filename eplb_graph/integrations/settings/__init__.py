@@ -9,20 +9,16 @@ which checks every setting at initialization, decides the world (V2 or legacy) a
 
 Modules, by job: ``fields`` (typed field machinery, :class:`ConfigError`), ``v2``
 (:class:`EplbConfig`), ``legacy`` (:class:`LegacyEplbConfig`), ``resolve`` (which world a run
-uses, every check), ``cli_args`` (command-line spellings), ``runtime_settings`` (the core's
-settings and the conversion to them).
+uses, every check), ``cli_args`` (command-line spellings), ``runtime_settings`` (the
+conversion to the core's :class:`~eplb_graph.settings.RuntimeSettings`).
 """
 
 from eplb_graph.integrations.settings.cli_args import parse_cli_args
 from eplb_graph.integrations.settings.fields import ConfigError
 from eplb_graph.integrations.settings.legacy import LEGACY_POLICY_TYPES, LegacyEplbConfig
 from eplb_graph.integrations.settings.resolve import known_policy_names, resolve_eplb_config
-from eplb_graph.integrations.settings.runtime_settings import (
-    RuntimeSettings,
-    control_settings_from_legacy,
-    control_settings_from_v2,
-)
 from eplb_graph.integrations.settings.v2 import SUPPORTED_COMMUNICATORS, EplbConfig
+from eplb_graph.settings import RuntimeSettings
 
 __all__ = [
     "LEGACY_POLICY_TYPES",
@@ -31,8 +27,6 @@ __all__ = [
     "EplbConfig",
     "LegacyEplbConfig",
     "RuntimeSettings",
-    "control_settings_from_legacy",
-    "control_settings_from_v2",
     "known_policy_names",
     "parse_cli_args",
     "resolve_eplb_config",

@@ -12,7 +12,7 @@ Two configuration worlds exist, and they must not leak into each other (invarian
 :func:`resolve_eplb_config` takes the values as a host engine holds them (``enable_eplb``, the
 ``eplb_config`` fields as a mapping, the whole ``additional_config`` dict), checks all of them at
 initialization, before any device state exists (invariant 7), and returns the core's
-:class:`~.runtime_settings.RuntimeSettings` built from exactly one of the two worlds (``None``
+:class:`~eplb_graph.settings.RuntimeSettings` built from exactly one of the two worlds (``None``
 when EPLB is off): nothing of the other world's settings reaches the runtime.
 """
 
@@ -36,14 +36,11 @@ from eplb_graph.integrations.settings.fields import (
     suggest,
 )
 from eplb_graph.integrations.settings.legacy import LegacyEplbConfig, v2_equivalent
-from eplb_graph.integrations.settings.runtime_settings import (
-    RuntimeSettings,
-    settings_from_legacy,
-    settings_from_v2,
-)
+from eplb_graph.integrations.settings.runtime_settings import settings_from_legacy, settings_from_v2
 from eplb_graph.integrations.settings.v2 import EplbConfig
 from eplb_graph.placement import Placement
 from eplb_graph.policy import policy_names as registered_policy_names
+from eplb_graph.settings import RuntimeSettings
 
 logger = logging.getLogger(__name__)
 

@@ -25,9 +25,8 @@ from eplb_graph.integrations.settings.fields import (
     suggest,
 )
 from eplb_graph.integrations.settings.legacy import LegacyEplbConfig, v2_equivalent
+from eplb_graph.settings import GLOO_COMMUNICATOR
 
-#: The weight-transfer backend eplb-graph implements: gloo CPU staging.
-GLOO_COMMUNICATOR = "torch_gloo"
 #: Accepted ``communicator`` values; ``None`` means "pick it automatically" (which picks gloo).
 SUPPORTED_COMMUNICATORS: tuple[str | None, ...] = (None, GLOO_COMMUNICATOR)
 

@@ -8,6 +8,7 @@ in ``eplb_graph.integrations.vllm_ascend``): state, routing, weight views, runti
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -167,12 +168,9 @@ def start(
         runtime = EplbRuntime(
             state,
             views,
-            settings.control,
+            settings,
             groups,
             ep_rank,
-            use_async=settings.use_async,
-            movement=settings.movement,
-            record_map_path=settings.record_map_path,
             record_load=record_load(ep_rank),
         )
     except StagingBudgetError as error:
@@ -197,9 +195,9 @@ def start(
         model.num_logical_experts,
         model.num_redundant_experts,
         placement.num_slots // ep_size,
-        settings.control.policy,
-        settings.control.window_size,
-        settings.control.step_interval,
+        settings.policy,
+        settings.window_size,
+        settings.step_interval,
         "async" if settings.use_async else "sync",
         settings.metrics_path or "off",
     )
@@ -208,9 +206,8 @@ def start(
 
 def _move_to(settings, state, views, groups, ep_rank: int, target: Placement) -> None:
     """Start from ``target``: move vLLM's load-time layout there before serving (every rank)."""
-    starter = EplbRuntime(
-        state, views, settings.control, groups, ep_rank, use_async=False, movement=settings.movement
-    )
+    once = dataclasses.replace(settings, use_async=False, record_map_path=None)
+    starter = EplbRuntime(state, views, once, groups, ep_rank)
     try:
         starter.rearrange_to(target.phy2log)
     finally:

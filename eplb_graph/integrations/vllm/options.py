@@ -29,7 +29,7 @@ from eplb_graph.integrations.settings.paths import (
     check_record_path,
 )
 from eplb_graph.integrations.settings.resolve import check_policy_name
-from eplb_graph.movement.settings import DEFAULT_STAGING_BUDGET_BYTES
+from eplb_graph.settings import DEFAULT_STAGING_BUDGET_BYTES
 
 SECTION = "eplb_graph"
 PREFIX = f"additional_config.{SECTION}"

@@ -99,7 +99,7 @@ class VllmEplbAdapter:
         self._logged = runtime.progress()  # at the last rearrangement log line
         self._rearrangement_started = 0.0
         # rearrange="when_it_pays": the cost model gets a calibration before its first window.
-        self._calibrated = settings.control.rearrange != "when_it_pays"
+        self._calibrated = settings.rearrange != "when_it_pays"
         self._metrics = None
         self.weight_digests: DigestLog | None = None
         if settings.metrics_path is not None:
@@ -252,7 +252,7 @@ class VllmEplbAdapter:
             "ep_size": self.ep_size,
             "steps": self.steps,
             "async": stats.is_async,
-            "policy": self.settings.control.policy,
+            "policy": self.settings.policy,
             "windows_closed": stats.windows_closed,
             "rearrangements_started": stats.rearrangements_started,
             "rearrangements": stats.rearrangements_completed,
@@ -277,7 +277,7 @@ class VllmEplbAdapter:
                 name: _summary(list(times)) for name, times in self._hook_seconds.items()
             },
             **self._expert_figures(),
-            "rearrange": self.settings.control.rearrange,
+            "rearrange": self.settings.rearrange,
             "cost_model": gate,
             "cost_samples": {
                 "taken": stats.cost_samples_taken,

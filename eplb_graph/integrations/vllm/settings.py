@@ -17,12 +17,10 @@ from typing import Any
 
 from eplb_graph.control.phases import CollectionPhase
 from eplb_graph.control.planning import PolicyPlanner
-from eplb_graph.control.settings import ControlSettings
 from eplb_graph.control.window_record import WINDOWS_FILE
 from eplb_graph.integrations.settings import ConfigError, RuntimeSettings, resolve_eplb_config
 from eplb_graph.integrations.vllm.model_shape import hidden_layer_count, moe_layer_count
 from eplb_graph.integrations.vllm.options import PREFIX, SECTION, PluginOptions
-from eplb_graph.movement.settings import MovementSettings
 from eplb_graph.movement.staging import StagingBudgetError
 from eplb_graph.placement import Placement
 
@@ -92,32 +90,24 @@ def eplb_settings(
         num_groups=num_expert_groups,
     )
     # --enable-eplb selects V2 (legacy keys beside it raised), and V2 always rebalances.
-    assert settings is not None and settings.control is not None
-    control = _with_options(settings.control, options, additional)
-    control = dataclasses.replace(control, rearrange=_rearrange(options, timed_experts))
+    assert settings is not None and settings.rebalances
+    changes = _option_changes(settings, options, additional)
+    changes["rearrange"] = _rearrange(options, timed_experts)
     if options.record_windows:
-        windows = str(Path(options.metrics_path) / WINDOWS_FILE)
-        control = dataclasses.replace(control, windows_path=windows)
-    move_to = _expert_map(options, settings, num_layers, hidden_layer_count(model_config))
-    _check_policy_options(control, settings)
-    return dataclasses.replace(
+        changes["windows_path"] = str(Path(options.metrics_path) / WINDOWS_FILE)
+    settings = dataclasses.replace(
         settings,
-        control=control,
-        movement=_movement(options, num_layers),
-        move_to=move_to,
+        **changes,
+        layers_per_step=options.layers_per_step,
+        commit_margin_steps=options.commit_margin_steps,
+        staging_budget_bytes=options.staging_budget_mib << 20,
+        move_to=_expert_map(options, settings, num_layers, hidden_layer_count(model_config)),
         record_map_path=options.record_map_path,
         metrics_path=options.metrics_path,
         weight_digests=options.weight_digests,
     )
-
-
-def _movement(options: PluginOptions, num_layers: int | None) -> MovementSettings:
-    movement = MovementSettings(
-        layers_per_step=options.layers_per_step,
-        commit_margin_steps=options.commit_margin_steps,
-        staging_budget_bytes=options.staging_budget_mib << 20,
-    )
-    return movement if num_layers is None else movement.for_layers(num_layers)
+    _check_policy_options(settings)
+    return settings if num_layers is None else settings.for_layers(num_layers)
 
 
 def staging_budget_config_error(error: StagingBudgetError) -> ConfigError:
@@ -157,13 +147,14 @@ def _check_supported_modes(vllm_config: Any) -> None:
         raise ConfigError(
             "eplb_config.enable_migration_batching",
             "is vLLM's own migration scheduler; eplb-graph batches transfers itself "
-            "(MovementSettings.max_batch_ops): leave it false",
+            "(RuntimeSettings.max_batch_ops): leave it false",
         )
 
 
-def _with_options(
-    control: ControlSettings, options: PluginOptions, additional: dict
-) -> ControlSettings:
+def _option_changes(
+    settings: RuntimeSettings, options: PluginOptions, additional: dict
+) -> dict[str, Any]:
+    """The control fields this section sets over what ``resolve_eplb_config`` returned."""
     changes: dict[str, Any] = {
         "time_samples": options.time_samples,
         "min_gain_percent": options.min_gain_percent,
@@ -176,15 +167,15 @@ def _with_options(
         # from its guide) is already in ``control``; this section's own is the same setting.
         nested = additional.get("eplb_config") or {}
         ours = CollectionPhase.parse(options.load_collection_phase)
-        if "load_collection_phase" in nested and control.load_collection_phase is not ours:
+        if "load_collection_phase" in nested and settings.load_collection_phase is not ours:
             raise ConfigError(
                 f"{PREFIX}.load_collection_phase",
                 f"is {ours.value!r} but additional_config.eplb_config.load_collection_phase is "
-                f"{control.load_collection_phase.value!r}: they are one setting; keep one "
+                f"{settings.load_collection_phase.value!r}: they are one setting; keep one "
                 "spelling or give both the same value",
             )
         changes["load_collection_phase"] = ours
-    return dataclasses.replace(control, **changes)
+    return changes
 
 
 def _rearrange(options: PluginOptions, timed_experts: bool) -> str:
@@ -245,16 +236,16 @@ def _expert_map(
     return placement
 
 
-def _check_policy_options(control: ControlSettings, settings: RuntimeSettings) -> None:
+def _check_policy_options(settings: RuntimeSettings) -> None:
     """Policy options are checked against the policy's signature now, not at the first window."""
     try:
         PolicyPlanner(
-            control.policy,
+            settings.policy,
             settings.num_physical_experts,
-            control.num_groups,
-            control.num_nodes,
+            settings.num_groups,
+            settings.num_nodes,
             settings.ep_size,
-            dict(control.policy_options),
+            dict(settings.policy_options),
         )
     except TypeError as error:
         raise ConfigError(f"{PREFIX}.policy_options", str(error)) from None
