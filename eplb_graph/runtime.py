@@ -26,27 +26,15 @@ import torch
 import torch.distributed as dist
 
 from eplb_graph.arguments import SettingsError
-from eplb_graph.control.controller import EplbController
 from eplb_graph.control.planning import PolicyPlanner
-from eplb_graph.control.window import (
-    WindowSnapshot,
-    local_reducer,
-    process_group_reducer,
-)
+from eplb_graph.control.window import EplbController, local_reducer, process_group_reducer
 from eplb_graph.movement.commit import (
     CommitScheduler,
     InstallNow,
     PublishAtAgreedStep,
     StepClock,
 )
-from eplb_graph.movement.rebalance import (
-    FaultHook,
-    Job,
-    PlanJob,
-    RebalancePipeline,
-    WindowJob,
-    views_per_layer,
-)
+from eplb_graph.movement.rebalance import FaultHook, PlanJob, RebalancePipeline, views_per_layer
 from eplb_graph.movement.staging import LayerInstaller, StagingPool, check_staging_budget
 from eplb_graph.movement.transport import StoreAgreement, default_store
 from eplb_graph.movement.worker import MovementWorker
@@ -124,10 +112,13 @@ class EplbRuntime:
                 self.worker, self.installer, self.clock, self.agreement.veto
             )
             self.worker.start(self.pipeline)
+        # Where a closed window (or an explicit plan) goes: to the worker through the scheduler
+        # (async), or through the pipeline now (sync).
+        self.submit = self.pipeline.run if self.scheduler is None else self.scheduler.submit
         self.controller = EplbController(
             state,
             settings,
-            self._rebalance,
+            self.submit,
             reduce=self._balancedness_reducer(settings),
             record_load=record_load,
         )
@@ -229,7 +220,7 @@ class EplbRuntime:
         Async: queued behind any job in flight (planned against the placement committed when
         it starts) and committed layer by layer at agreed steps. Sync: now.
         """
-        self._rebalance(PlanJob(torch.as_tensor(new_phy2log).clone(), self.clock.step))
+        self.submit(PlanJob(torch.as_tensor(new_phy2log).clone(), self.clock.step))
 
     @property
     def busy(self) -> bool:
@@ -253,16 +244,6 @@ class EplbRuntime:
         if self.worker is not None:
             self.pool.close()
             self.worker.stop()
-
-    # -- internals -------------------------------------------------------------------------------
-    def _rebalance(self, job: Job | WindowSnapshot) -> None:
-        if isinstance(job, WindowSnapshot):
-            job = WindowJob(job)
-        if self.worker is None:
-            self.pipeline.run(job)
-            return
-        self.scheduler.mark_busy()
-        self.worker.submit(job)
 
     # -- what it has done ------------------------------------------------------------------------
     def progress(self) -> Progress:

@@ -161,7 +161,7 @@ def test_balancedness_logging_is_one_collective_per_interval(caplog):
         window_size=4, step_interval=100, log_balancedness=True, log_balancedness_interval=5
     )
     controller = _controller(_state(), settings, reduce=lambda t: (calls.append(t.numel()), t)[1])
-    with caplog.at_level("INFO", logger="eplb_graph.control.controller"):
+    with caplog.at_level("INFO", logger="eplb_graph.control.window"):
         _run(controller, 20)
     assert len(calls) == 4
     assert controller.last_logged_balancedness == pytest.approx(1.0)

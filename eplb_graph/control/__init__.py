@@ -1,16 +1,16 @@
 """Control plane: batch phases, the load window and the per-step state machine.
 
 - ``phases``: which batches' load is collected;
-- ``window``: the device ring of load passes, its snapshots and their cross-rank reduction;
-- ``planning``: a reduced window through a registered policy (and what it tells us);
-- ``controller``: the per-step state machine that closes windows and hands them on.
+- ``window``: the device ring of load passes, the per-step state machine that closes it
+  (``EplbController``), its snapshots and their cross-rank reduction;
+- ``planning``: a reduced window through a registered policy (and what it tells us).
 
 Its settings are :class:`eplb_graph.settings.RuntimeSettings` (one value for both planes).
 """
 
-from eplb_graph.control.controller import EplbController
 from eplb_graph.control.phases import BatchPhase, CollectionPhase
 from eplb_graph.control.window import (
+    EplbController,
     LoadWindow,
     WindowLoad,
     WindowSnapshot,

@@ -31,7 +31,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from eplb_graph.movement.planner import RankPlan
 from eplb_graph.movement.staging import LayerInstaller, StagingBlock, StagingPool
@@ -50,8 +50,11 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-class Outbox(Protocol):
-    """Where the worker's items wait for the main thread (``MovementWorker.poll``)."""
+class Worker(Protocol):
+    """The movement worker as the scheduler sees it (``MovementWorker``): its inbox and its
+    outbox, where published items wait for the main thread."""
+
+    def submit(self, job: Any) -> None: ...
 
     def poll(self) -> list[PublishedLayer | RearrangementFinished]: ...
 
@@ -271,7 +274,7 @@ class CommitScheduler:
     """Installs what the worker published, at the agreed step, on the main thread.
 
     Args:
-        worker: the movement worker (its outbox).
+        worker: the movement worker (its inbox and outbox).
         installer: writes weights and lookup, then frees the staging block.
         clock: the step clock shared with the worker.
         veto: resolves a fenced decision from the main thread (``StoreAgreement.veto``).
@@ -280,7 +283,7 @@ class CommitScheduler:
 
     def __init__(
         self,
-        worker: Outbox,
+        worker: Worker,
         installer: LayerInstaller,
         clock: StepClock,
         veto: Callable[[str], Decision],
@@ -341,8 +344,12 @@ class CommitScheduler:
     def busy(self) -> bool:
         return self.jobs_in_flight > 0
 
-    def mark_busy(self) -> None:
+    def submit(self, job: Any) -> None:
+        """Hand a job (a closed window or an explicit plan) to the worker: the controller's
+        sink at every window close, and ``rearrange_to``'s. Busy until its end marker is
+        consumed."""
         self.jobs_in_flight += 1
+        self.worker.submit(job)
 
     def _finish(self, item: RearrangementFinished) -> None:
         self.jobs_in_flight -= item.items_consumed

@@ -58,22 +58,6 @@ logger = logging.getLogger(__name__)
 BALANCEDNESS_HISTORY = 64
 """Windows whose balancedness the stats keep (for monitoring; older ones are dropped)."""
 
-FaultHook = Callable[[str, int], None]
-"""Test hook called at named points ("plan", "stage", "exchange", "agree") with the layer (-1
-when not per layer); it may raise or sleep to inject a fault."""
-
-
-@dataclass(frozen=True)
-class WindowJob:
-    """Rebalance from a closed window's load (what the controller hands off).
-
-    ``rows``: the window's rows already copied to the host (the worker copies them as soon as
-    the job is agreed); ``None``: the pipeline copies them first thing.
-    """
-
-    snapshot: WindowSnapshot
-    rows: torch.Tensor | None = None
-
 
 @dataclass(frozen=True)
 class PlanJob:
@@ -84,7 +68,12 @@ class PlanJob:
     step: int = 0
 
 
-Job = WindowJob | PlanJob
+Job = WindowSnapshot | PlanJob
+"""What the pipeline runs: a closed window (rebalance from its load) or an explicit plan."""
+
+FaultHook = Callable[[str, int], None]
+"""Test hook called at named points ("plan", "stage", "exchange", "agree") with the layer (-1
+when not per layer); it may raise or sleep to inject a fault."""
 
 
 @dataclass(frozen=True)
@@ -237,7 +226,7 @@ class RebalancePipeline:
         if isinstance(job, PlanJob):
             return job.phy2log if attempt.ok else old
         # Before anything else: the snapshot's buffer is reused two window closes later.
-        rows = job.rows if job.rows is not None else job.snapshot.copy_rows()
+        rows = job.host_rows if job.host_rows is not None else job.copy_rows()
         if rows is None:
             attempt.fail("window snapshot was overwritten before the worker read it (worker late)")
         if group is None:
@@ -246,11 +235,11 @@ class RebalancePipeline:
         # would leave its peers waiting out a timeout on a healthy group.
         plan = attempt.ok
         if rows is None:
-            rows = torch.zeros(job.snapshot.rows.shape, dtype=torch.int64)
+            rows = torch.zeros(job.rows.shape, dtype=torch.int64)
         try:
             load = reduce_window(
                 rows,
-                job.snapshot,
+                job,
                 old,
                 self._reducer(group),
                 self.state.num_logical,

@@ -32,8 +32,9 @@ from dataclasses import replace
 
 import torch
 
+from eplb_graph.control.window import WindowSnapshot
 from eplb_graph.movement.commit import PublishedLayer, RearrangementFinished
-from eplb_graph.movement.rebalance import Job, PlanJob, RebalancePipeline, WindowJob
+from eplb_graph.movement.rebalance import Job, PlanJob, RebalancePipeline
 from eplb_graph.movement.transport import StoreAgreement
 
 logger = logging.getLogger(__name__)
@@ -157,8 +158,8 @@ class MovementWorker:
             kind, step = _PLAN, head.step
         else:
             newest = _leading_windows(pending)[-1]
-            rows = newest.snapshot.copy_rows()  # before voting: see the module docstring
-            kind, step = _WINDOW, newest.snapshot.step
+            rows = newest.copy_rows()  # before voting: see the module docstring
+            kind, step = _WINDOW, newest.step
         decision = agreement.decide(f"job/{job_round}", ok=True, proposal=step, digest=kind)
         if not decision.commit:
             self.job_rounds_failed += 1
@@ -169,25 +170,25 @@ class MovementWorker:
         target = self._await_window(pending, decision.step)
         if target is None:
             return None
-        if target.snapshot.step != step:  # it arrived after the vote: it is this rank's newest
-            rows = target.snapshot.copy_rows()
+        if target.step != step:  # it arrived after the vote: it is this rank's newest
+            rows = target.copy_rows()
         if rows is None:
             taken = self._newer_stand_in(pending, target)
             if taken is None:
                 return None
             target, rows = taken
         consumed = 0
-        while pending and isinstance(pending[0], WindowJob):
-            if pending[0].snapshot.step > decision.step:
+        while pending and isinstance(pending[0], WindowSnapshot):
+            if pending[0].step > decision.step:
                 break
             pending.popleft()
             consumed += 1
         self.windows_coalesced += consumed - 1
-        return replace(target, rows=rows), consumed
+        return replace(target, host_rows=rows), consumed
 
     def _newer_stand_in(
-        self, pending: deque[Job], target: WindowJob
-    ) -> tuple[WindowJob, torch.Tensor | None] | None:
+        self, pending: deque[Job], target: WindowSnapshot
+    ) -> tuple[WindowSnapshot, torch.Tensor | None] | None:
         """This rank's share of window ``target`` was overwritten (its buffer is reused two
         closes later, and this thread was descheduled that long): stand in this rank's newest
         window for it, labelled with ``target``'s step.
@@ -204,20 +205,19 @@ class MovementWorker:
             if not self._take_queued(pending):
                 return None
             newest = _leading_windows(pending)[-1]
-            rows = newest.snapshot.copy_rows()
+            rows = newest.copy_rows()
             if rows is None:
                 continue  # overwritten again while copying: newer windows are queued
-            if rows.shape[0] != target.snapshot.rows.shape[0]:
+            if rows.shape[0] != target.rows.shape[0]:
                 return target, None
             self.windows_stood_in += 1
-            snapshot = replace(newest.snapshot, step=target.snapshot.step)
-            return replace(newest, snapshot=snapshot), rows
+            return replace(newest, step=target.step), rows
 
-    def _await_window(self, pending: deque[Job], step: int) -> WindowJob | None:
+    def _await_window(self, pending: deque[Job], step: int) -> WindowSnapshot | None:
         """Wait until the window closed at ``step`` is queued; ``None`` when stopping."""
         while True:
             for job in _leading_windows(pending):
-                if job.snapshot.step == step:
+                if job.step == step:
                     return job
             if not any(isinstance(job, PlanJob) for job in pending):
                 item = self._inbox.get()
@@ -234,11 +234,11 @@ class MovementWorker:
             )
 
 
-def _leading_windows(pending: deque[Job]) -> list[WindowJob]:
+def _leading_windows(pending: deque[Job]) -> list[WindowSnapshot]:
     """The windows queued before the first explicit plan, oldest first."""
     windows = []
     for job in pending:
-        if not isinstance(job, WindowJob):
+        if not isinstance(job, WindowSnapshot):
             break
         windows.append(job)
     return windows

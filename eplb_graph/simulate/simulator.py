@@ -16,9 +16,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from eplb_graph.control.controller import EplbController
 from eplb_graph.control.planning import PolicyPlanner, WindowPlan, plan_window
-from eplb_graph.control.window import WindowSnapshot, local_reducer, reduce_window
+from eplb_graph.control.window import EplbController, WindowSnapshot, local_reducer, reduce_window
 from eplb_graph.placement import Placement
 from eplb_graph.policy.metrics import balancedness_of_slots
 from eplb_graph.progress import ProgressBar

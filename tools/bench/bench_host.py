@@ -35,11 +35,10 @@ from timing import measure, run_benchmark, write_report
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from eplb_graph.control.controller import EplbController
 from eplb_graph.control.cost_model import CostMoments, ExpertCostModel
 from eplb_graph.control.feedback import ServingFeedback, WindowFeedback, feedback_size
 from eplb_graph.control.planning import PolicyPlanner
-from eplb_graph.control.window import WindowLoad
+from eplb_graph.control.window import EplbController, WindowLoad
 from eplb_graph.placement import Placement
 from eplb_graph.settings import RuntimeSettings
 from eplb_graph.state import EplbState
