@@ -318,10 +318,9 @@ def test_a_refused_window_is_priced_again_only_when_something_changed():
     priced = "the saving does not repay the move"
     assert reasons == [priced] + [unpriced] * MAX_UNPRICED + [priced]
     assert len(asked) == 2 and gate.decisions[-2]["priced_at_step"] == load.step
-    # A load with more skew than the refused one (its saving bound grown past REPRICE_GROWTH
-    # times the refused one's):
-    # priced at once, and here a plan repays.
-    skewier = _load(committed, per_step**1.6 * 80, _feedback())
+    # The same skew 40 times heavier (its saving bound grown past REPRICE_GROWTH times the
+    # refused one's): priced at once, and here a plan repays (and saves over 5% of the step).
+    skewier = _load(committed, per_step * 400, _feedback())
     assert gate.decide(skewier, policy_plan) is not None and len(asked) == 3
     # Another committed placement, or a lower copy cost: priced again too.
     for changed in (
