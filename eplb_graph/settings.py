@@ -171,6 +171,11 @@ class RuntimeSettings:
             as_seconds(name, getattr(self, name), error=SettingsError)
         for name in _FLAGS:
             as_flag(name, getattr(self, name), error=SettingsError)
+        if self.communicator != GLOO_COMMUNICATOR:
+            raise SettingsError(
+                f"communicator must be {GLOO_COMMUNICATOR!r} (the only weight transfer "
+                f"eplb-graph implements), got {self.communicator!r}"
+            )
         if self.rearrange not in ("always", "when_it_pays"):
             raise SettingsError(
                 f"rearrange must be 'always' or 'when_it_pays', got {self.rearrange!r}"

@@ -270,6 +270,7 @@ def test_a_rank_that_does_not_record_load_only_takes_its_steps():
         ({"num_experts": 0}, "num_experts must be >= 1"),
         ({"num_redundant_experts": -1}, "num_redundant_experts must be >= 0"),
         ({"initial_placement": "map.json"}, "initial_placement must be a Placement"),
+        ({"communicator": "nccl"}, "communicator must be 'torch_gloo'"),
         ({"layers_per_step": 0}, "layers_per_step must be >= 1"),
         ({"commit_margin_steps": 1.5}, "commit_margin_steps must be an integer"),
         ({"exchange_timeout_s": float("nan")}, "finite number of seconds"),
