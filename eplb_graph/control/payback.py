@@ -24,7 +24,9 @@ is a sum from the window reduction), :meth:`PaybackGate.decide` reads top-down:
    placement, or to a candidate predicted :data:`CLEARLY_FASTER` than it, even if going back does
    not repay its copies within one interval. A placement measured slower stays predicted
    slower while the load is like the one it was measured under; under another load it may be
-   right again.
+   right again. And under a load where no placement could beat the start by :data:`MIN_SAVING`
+   (so no plan would be applied), a placement predicted no faster than the start goes back to
+   it: a placement left over from another load has nothing to gain there.
 4. **what could be better.** The candidates: the configured policy's plan, the placement
    packed by predicted time (:func:`~eplb_graph.policy.predicted_time.pack_by_predicted_time`),
    the few priced moves from the committed placement that repay the most
@@ -100,6 +102,7 @@ class _Back:
     name: str
     placement: torch.Tensor
     bound_us: float
+    reason: str = "slower than before: going back"
 
 
 @dataclass
@@ -282,13 +285,35 @@ class PaybackGate:
             * self._ratio(reference)
         }  # fmt: skip
         if not slower_than:
-            return None
+            if not self._nothing_beats_the_start(evidence):
+                return None
+            slower_than = {"initial": self._initial}
+            reason = "nothing beats the starting placement under this load: going back to it"
+        else:
+            reason = "slower than before: going back"
         times = {
             name: self._step_us(reference, evidence.planned) * self._ratio(reference)
             for name, reference in slower_than.items()
         }
         name = min(times, key=lambda n: (times[n], n))
-        return _Back(name, slower_than[name], times[name])
+        return _Back(name, slower_than[name], times[name], reason)
+
+    def _nothing_beats_the_start(self, evidence: Evidence) -> bool:
+        """Whether the committed placement, not the starting one, is predicted no faster than
+        the start under the planned load while no placement could beat the start by
+        :data:`MIN_SAVING` (the floor is within it). Why: under such a load a new plan is never
+        applied (its saving could not be told from noise), so a placement left over from
+        another load has nothing to gain over what EPLB off serves and may be slower than the
+        model says; on the drift benchmark (AVX-512 EPYC), a chat-tuned placement predicted 1%
+        slower than the start under mixed traffic served 3-4% slower, for a whole phase."""
+        committed, planned = evidence.committed, evidence.planned
+        if torch.equal(committed, self._initial):
+            return False
+        start = self._step_us(self._initial, planned) * self._ratio(self._initial)
+        now = self._step_us(committed, planned) * self._ratio(committed)
+        if now <= start:
+            return False
+        return self._floor_us(evidence) * self._ratio(committed) >= start * (1 - MIN_SAVING)
 
     # -- 4. what could be better ---------------------------------------------------------------
     def _candidates(
@@ -366,8 +391,7 @@ class PaybackGate:
         )  # fmt: skip
         if back is not None:
             self.counts["rollbacks"] += 1
-            self._record(evidence.step, "rollback", "slower than before: going back",
-                         candidate=name, **chosen)  # fmt: skip
+            self._record(evidence.step, "rollback", back.reason, candidate=name, **chosen)
         else:
             self.counts["applied"] += 1
             self._record(evidence.step, "applied", "predicted to repay its move",
