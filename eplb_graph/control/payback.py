@@ -266,10 +266,9 @@ class PaybackGate:
         """Where to go back to when the committed placement is slower, under the served load,
         than the starting one or the one before the last move; ``None`` when it is not.
 
-        At the starting placement there is nothing to go back from: it is what EPLB off serves,
-        and a plan that beats it is applied forward, when it repays. (On the drift benchmark,
-        the start, back from a chat-tuned placement under mixed traffic, measured one window 5%
-        slower than that placement had: the gate went forward again, 33 copies each way.)"""
+        At the start there is nothing to go back from: it is what EPLB off serves, and a plan
+        beating it goes forward if it repays (on the drift benchmark the start, measured once 5%
+        slower than the placement it came back from, sent the gate there again: 33 copies)."""
         committed, served = evidence.committed, evidence.served
         if torch.equal(committed, self._initial):
             return None
@@ -291,13 +290,12 @@ class PaybackGate:
             and now > (1 + BACK_TOLERANCE) * self._step_us(reference, served)
             * self._ratio(reference)
         }  # fmt: skip
+        reason = "slower than before: going back"
         if not slower_than:
             if not self._nothing_beats_the_start(evidence):
                 return None
             slower_than = {"initial": self._initial}
             reason = "nothing beats the starting placement under this load: going back to it"
-        else:
-            reason = "slower than before: going back"
         times = {
             name: self._step_us(reference, evidence.planned) * self._ratio(reference)
             for name, reference in slower_than.items()
@@ -306,16 +304,12 @@ class PaybackGate:
         return _Back(name, slower_than[name], times[name], reason)
 
     def _nothing_beats_the_start(self, evidence: Evidence) -> bool:
-        """Whether the committed placement, not the starting one, is predicted no faster than
-        the start under the planned load while no placement could beat the start by
-        :data:`MIN_SAVING` (the floor is within it). Why: under such a load a new plan is never
-        applied (its saving could not be told from noise), so a placement left over from
-        another load has nothing to gain over what EPLB off serves and may be slower than the
-        model says; on the drift benchmark (AVX-512 EPYC), a chat-tuned placement predicted 1%
-        slower than the start under mixed traffic served 3-4% slower, for a whole phase."""
+        """Whether the committed placement is predicted no faster than the start while no
+        placement could beat the start by :data:`MIN_SAVING` (so no plan would be applied). A
+        placement left over from another load has nothing to gain there, and may be slower than
+        the model says: on the drift benchmark (AVX-512 EPYC) a chat-tuned placement predicted
+        1% slower than the start under mixed traffic served 3-4% slower, all phase."""
         committed, planned = evidence.committed, evidence.planned
-        if torch.equal(committed, self._initial):
-            return False
         start = self._step_us(self._initial, planned) * self._ratio(self._initial)
         now = self._step_us(committed, planned) * self._ratio(committed)
         if now <= start:
