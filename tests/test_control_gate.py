@@ -22,7 +22,7 @@ from eplb_graph.control.cost_model import predicted_step_us
 from eplb_graph.control.decision_log import QUIET_S, DecisionLog
 from eplb_graph.control.feedback import WindowFeedback, feedback_size
 from eplb_graph.control.moves import FLOOR_BYTES_PER_US, MIN_REALIZED, MoveLedger
-from eplb_graph.control.payback import BACK_TOLERANCE, PaybackGate, _Back
+from eplb_graph.control.payback import BACK_TOLERANCE, HOME, PaybackGate, _Back
 from eplb_graph.control.planning import PolicyPlanner
 from eplb_graph.control.window import WindowLoad
 from eplb_graph.placement import Placement
@@ -297,9 +297,6 @@ def test_a_plan_predicted_to_save_less_than_the_models_error_is_not_applied(hot,
     else:
         assert decision["reason"] == "predicted saving too small to tell from noise"
         assert 0 < share < 0.05
-
-
-HOME = "nothing beats the starting placement under this load: going back to it"
 
 
 def _same_experts_per_rank() -> torch.Tensor:

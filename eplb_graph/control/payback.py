@@ -90,6 +90,8 @@ prediction is within the model's error between two placements. On the AMX drift 
 predicted to save more repaid (the moves of the first windows after a shift are predicted at
 14-20%); each still costs its copies."""
 KEPT = 16
+SLOWER = "slower than before: going back"
+HOME = "nothing beats the starting placement under this load: going back to it"
 PolicyPlan = torch.Tensor | Callable[[], torch.Tensor | None] | None
 """The configured policy's candidate: a plan, a callable making it on demand, or none."""
 
@@ -102,7 +104,7 @@ class _Back:
     name: str
     placement: torch.Tensor
     bound_us: float
-    reason: str = "slower than before: going back"
+    reason: str = SLOWER
 
 
 @dataclass
@@ -290,12 +292,12 @@ class PaybackGate:
             and now > (1 + BACK_TOLERANCE) * self._step_us(reference, served)
             * self._ratio(reference)
         }  # fmt: skip
-        reason = "slower than before: going back"
+        reason = SLOWER
         if not slower_than:
             if not self._nothing_beats_the_start(evidence):
                 return None
             slower_than = {"initial": self._initial}
-            reason = "nothing beats the starting placement under this load: going back to it"
+            reason = HOME
         times = {
             name: self._step_us(reference, evidence.planned) * self._ratio(reference)
             for name, reference in slower_than.items()
@@ -304,11 +306,10 @@ class PaybackGate:
         return _Back(name, slower_than[name], times[name], reason)
 
     def _nothing_beats_the_start(self, evidence: Evidence) -> bool:
-        """Whether the committed placement is predicted no faster than the start while no
-        placement could beat the start by :data:`MIN_SAVING` (so no plan would be applied). A
-        placement left over from another load has nothing to gain there, and may be slower than
-        the model says: on the drift benchmark (AVX-512 EPYC) a chat-tuned placement predicted
-        1% slower than the start under mixed traffic served 3-4% slower, all phase."""
+        """Whether the committed placement is predicted no faster than the start while none
+        could beat the start by :data:`MIN_SAVING` (no plan would be applied): a leftover there
+        gains nothing and may be slower than the model says (drift benchmark, AVX-512 EPYC: a
+        chat-tuned placement predicted 1% slower under mixed traffic served 3-4% slower)."""
         committed, planned = evidence.committed, evidence.planned
         start = self._step_us(self._initial, planned) * self._ratio(self._initial)
         now = self._step_us(committed, planned) * self._ratio(committed)
