@@ -22,7 +22,7 @@ from eplb_graph.control.cost_model import predicted_step_us
 from eplb_graph.control.decision_log import QUIET_S, DecisionLog
 from eplb_graph.control.feedback import WindowFeedback, feedback_size
 from eplb_graph.control.moves import FLOOR_BYTES_PER_US, MIN_REALIZED, MoveLedger
-from eplb_graph.control.payback import BACK_TOLERANCE, HOME, PaybackGate, _Back
+from eplb_graph.control.payback import BACK_TOLERANCE, CANNOT_TELL, HOME, PaybackGate, _Back
 from eplb_graph.control.planning import PolicyPlanner
 from eplb_graph.control.window import WindowLoad
 from eplb_graph.placement import Placement
@@ -291,12 +291,46 @@ def test_a_plan_predicted_to_save_less_than_the_models_error_is_not_applied(hot,
     slight[:, 8:16] = 2.0 * hot
     assert (gate.decide(serving.window(DEFAULT, slight), None) is not None) == applied
     decision = gate.decisions[-1]
-    share = decision["saving_ms_per_step"] / decision["predicted_step_ms_now"]
     if applied:
-        assert share >= 0.05
-    else:
-        assert decision["reason"] == "predicted saving too small to tell from noise"
-        assert 0 < share < 0.05
+        assert decision["saving_ms_per_step"] / decision["predicted_step_ms_now"] >= 0.05
+    else:  # not even the floor under every placement is 5% below: kept without pricing
+        assert decision["reason"] == CANNOT_TELL
+        assert 0 < decision["saving_bound_ms_per_step"] / decision["predicted_step_ms_now"] < 0.05
+
+
+def test_a_priced_plan_predicted_to_save_less_than_the_tolerance_is_refused():
+    """Where the floor is loose (it bounds every placement, not the ones the search finds), a
+    candidate is priced: one saving 3% is refused however cheap, one saving 6% that repays is
+    not."""
+    gate, serving = _gate(), Serving(ROWS)
+    evidence = gate._evidence(serving.window(DEFAULT, CODE))
+    other = DEFAULT.flip(1)
+
+    def refusal(share, net_ms=1.0):
+        figures = {"saving_ms_per_step": share * 2.0, "net_ms": net_ms}
+        return gate._refusal(evidence, "fewest_moves", other, figures, 2000.0, None)
+
+    assert refusal(0.03) == "predicted saving too small to tell from noise"
+    assert refusal(0.06) is None
+    assert refusal(0.06, net_ms=-1.0) == "the saving does not repay the move"
+
+
+def test_an_even_load_is_kept_without_pricing_when_no_plan_could_save_enough_to_tell(monkeypatch):
+    """Both domains at once on the default layout: one copy could repay over a long horizon,
+    but nothing could be predicted to save 5%, so no candidate is built (planning runs on the
+    serving cores, window after window)."""
+    import eplb_graph.control.payback as payback
+
+    packed = []
+    monkeypatch.setattr(payback, "pack_by_predicted_time", lambda *a: packed.append(a))
+    gate, serving = _gate(step_interval=10**6), Serving(ROWS)
+    asked = []
+    assert gate.decide(serving.window(DEFAULT, MIXED), lambda: asked.append(1)) is None
+    decision = gate.decisions[-1]
+    assert decision["reason"] == CANNOT_TELL and not packed and not asked
+    bound = decision["saving_bound_ms_per_step"]
+    assert bound * 10**6 > decision["copy_ms"]  # the copy-price shortcut would have planned
+    assert 0 <= bound < 0.05 * decision["predicted_step_ms_now"]
 
 
 def _same_experts_per_rank() -> torch.Tensor:

@@ -46,6 +46,8 @@ class Evidence:
     """The traffic changed within the window: the load is its newer half's."""
     copy_us: float = 0.0
     """The price of one copy, learnt from the moves measured so far (set by the gate)."""
+    floor_us: float | None = None
+    """The least any placement is predicted to take under ``planned`` (the gate's, once)."""
 
 
 def read_window(

@@ -40,9 +40,12 @@ is a sum from the window reduction), :meth:`PaybackGate.decide` reads top-down:
    best plan when it moves three times the copies for the last few percent).
 
 Two shortcuts keep a window cheap where nothing can repay a move (planning runs on the cores
-that serve): before any candidate is built, the committed placement's predicted time is set
-against a floor no placement beats (:func:`~eplb_graph.control.cost_model.lower_bound_step_us`),
-and a window like the last one whose candidates were all priced and refused (same placement,
+that serve, and holds the interpreter the serving thread needs): before any candidate is built,
+the committed placement's predicted time is set against a floor no placement beats
+(:func:`~eplb_graph.control.cost_model.lower_bound_step_us`): where even the floor is within
+:data:`MIN_SAVING` of it, or would not repay one copy, no candidate could be applied (an even
+load: the drift benchmark's mixed and uniform phases priced 30-35-copy plans every window for
+nothing); and a window like the last one whose candidates were all priced and refused (same placement,
 price and a saving bound not grown much: :class:`~eplb_graph.control.refusal.RefusalMemory`) is
 refused on its word, a few times in a row. Neither applies when the gate must go back.
 
@@ -66,32 +69,20 @@ from eplb_graph.control.cost_model import ExpertCostModel, lower_bound_step_us, 
 from eplb_graph.control.evidence import Evidence, check_prediction, read_window
 from eplb_graph.control.moves import MoveLedger
 from eplb_graph.control.refusal import RefusalMemory
+from eplb_graph.control.tolerances import BACK_TOLERANCE, CLEARLY_FASTER, MIN_SAVING
 from eplb_graph.control.window import WindowLoad
 from eplb_graph.policy.incremental import improve_by_moves
 from eplb_graph.policy.predicted_time import pack_by_predicted_time
 from eplb_graph.policy.preserve import preserve_slots, relabel_ranks, transfers_needed
 
-__all__ = ["PaybackGate"]
+__all__ = [
+    "BACK_TOLERANCE", "CANNOT_TELL", "CLEARLY_FASTER", "HOME", "MIN_SAVING", "SLOWER", "PaybackGate",
+]  # fmt: skip
 
-BACK_TOLERANCE = 0.05
-"""The committed placement must go back when it is more than 5% slower, under the served load,
-than the starting placement or the one before the last move: two measurements of one placement
-on a shared host differ by as much, and so does the model between two placements (on the drift
-benchmark, a 1% threshold went back from a placement the model put 2% slower than the start; the
-start then measured 8% slower, and it went forward again: two moves of 31 copies for nothing)."""
-CLEARLY_FASTER = 0.05
-"""Going back, the gate moves to that placement itself unless another is predicted faster
-than it by this much (a placement that served is known; a new one is a prediction)."""
-MIN_SAVING = BACK_TOLERANCE
-"""A plan must be predicted to cut the step's expert time by at least 5%, the tolerance within
-which the gate cannot tell two placements apart (:data:`BACK_TOLERANCE`): below it the
-prediction is within the model's error between two placements. On the AMX drift benchmark with
-2%, the three moves predicted to save 2.5-5% measured +15, -52 and -205 ms net, while every move
-predicted to save more repaid (the moves of the first windows after a shift are predicted at
-14-20%); each still costs its copies."""
 KEPT = 16
 SLOWER = "slower than before: going back"
 HOME = "nothing beats the starting placement under this load: going back to it"
+CANNOT_TELL = "no placement can save enough to tell from noise"
 PolicyPlan = torch.Tensor | Callable[[], torch.Tensor | None] | None
 """The configured policy's candidate: a plan, a callable making it on demand, or none."""
 
@@ -197,8 +188,10 @@ class PaybackGate:
         if bound is None:
             floor = self._floor_us(evidence) * ratio
             figures["saving_bound_ms_per_step"] = max(0.0, now - floor) / 1e3
-            if self._cannot_repay(now, (now - floor) * realized, evidence.copy_us):
+            if (now - floor) * realized * self.step_interval <= evidence.copy_us:
                 return self._keep(evidence.step, "no placement can repay a move", **figures)
+            if now - floor < now * self._least_saving():
+                return self._keep(evidence.step, CANNOT_TELL, **figures)
             if self._refusals.answers(committed, evidence.copy_us, now - floor):
                 return self._keep(
                     evidence.step,
@@ -439,25 +432,27 @@ class PaybackGate:
             if name == back.name or predicted <= back.bound_us * (1 - CLEARLY_FASTER):
                 return None
             return "not clearly faster than where it came from"
-        if saving < now * max(MIN_SAVING, self.min_gain_percent / 100):
+        if saving < now * self._least_saving():
             return "predicted saving too small to tell from noise"
         if figures["net_ms"] <= 0:
             return "the saving does not repay the move"
         return None
 
     # -- the shortcuts ---------------------------------------------------------------------------
-    def _cannot_repay(self, now: float, bound_us: float, copy_us: float) -> bool:
-        """Whether a saving of ``bound_us`` per step falls short of ``min_gain_percent`` or of
-        repaying one copy within the horizon."""
-        if self.min_gain_percent and bound_us < now * self.min_gain_percent / 100:
-            return True
-        return bound_us * self.step_interval <= copy_us
+    def _least_saving(self) -> float:
+        """The share of the step a plan must be predicted to save: :data:`MIN_SAVING`, or the
+        configured ``min_gain_percent`` where that is more."""
+        return max(MIN_SAVING, self.min_gain_percent / 100)
 
     def _floor_us(self, evidence: Evidence) -> float:
-        """The least any placement is predicted to take under the planned load (uncalibrated)."""
-        return lower_bound_step_us(
-            evidence.planned, self.num_ranks, evidence.model, self.num_slots, self.max_replicas
-        )
+        """The least any placement is predicted to take under the planned load (uncalibrated;
+        computed once per window)."""
+        if evidence.floor_us is None:
+            evidence.floor_us = lower_bound_step_us(
+                evidence.planned, self.num_ranks, evidence.model, self.num_slots,
+                self.max_replicas,
+            )  # fmt: skip
+        return evidence.floor_us
 
     # -- predictions -----------------------------------------------------------------------------
     def _step_us(self, phy2log: torch.Tensor, per_step: torch.Tensor) -> float:

@@ -1,0 +1,27 @@
+"""The payback gate's tolerances: how far apart two placements must be predicted before the
+gate acts on the difference.
+
+One figure, 5%, for three questions, because they are one question: two measurements of one
+placement on a shared host differ by as much, and so does the cost model between two placements.
+"""
+
+from __future__ import annotations
+
+__all__ = ["BACK_TOLERANCE", "CLEARLY_FASTER", "MIN_SAVING"]
+
+BACK_TOLERANCE = 0.05
+"""The committed placement must go back when it is more than 5% slower, under the served load,
+than the starting placement or the one before the last move: two measurements of one placement
+on a shared host differ by as much, and so does the model between two placements (on the drift
+benchmark, a 1% threshold went back from a placement the model put 2% slower than the start; the
+start then measured 8% slower, and it went forward again: two moves of 31 copies for nothing)."""
+CLEARLY_FASTER = 0.05
+"""Going back, the gate moves to that placement itself unless another is predicted faster
+than it by this much (a placement that served is known; a new one is a prediction)."""
+MIN_SAVING = BACK_TOLERANCE
+"""A plan must be predicted to cut the step's expert time by at least 5%, the tolerance within
+which the gate cannot tell two placements apart (:data:`BACK_TOLERANCE`): below it the
+prediction is within the model's error between two placements. On the AMX drift benchmark with
+2%, the three moves predicted to save 2.5-5% measured +15, -52 and -205 ms net, while every move
+predicted to save more repaid (the moves of the first windows after a shift are predicted at
+14-20%); each still costs its copies."""
