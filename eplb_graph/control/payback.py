@@ -45,9 +45,10 @@ the committed placement's predicted time is set against a floor no placement bea
 (:func:`~eplb_graph.control.cost_model.lower_bound_step_us`): where even the floor is within
 :data:`MIN_SAVING` of it, or would not repay one copy, no candidate could be applied (an even
 load: the drift benchmark's mixed and uniform phases priced 30-35-copy plans every window for
-nothing); and a window like the last one whose candidates were all priced and refused (same placement,
-price and a saving bound not grown much: :class:`~eplb_graph.control.refusal.RefusalMemory`) is
-refused on its word, a few times in a row. Neither applies when the gate must go back.
+nothing); and a window like the last one whose candidates were all priced and refused (same
+placement, price and a saving bound not grown much:
+:class:`~eplb_graph.control.refusal.RefusalMemory`) is refused on its word, a few times in a row.
+Neither applies when the gate must go back.
 
 A window whose deciding fails (a bug, a policy error) keeps the placement and is recorded as
 ``failed`` with its cause; the next window decides afresh. Every decision is kept (newest
@@ -76,7 +77,8 @@ from eplb_graph.policy.predicted_time import pack_by_predicted_time
 from eplb_graph.policy.preserve import preserve_slots, relabel_ranks, transfers_needed
 
 __all__ = [
-    "BACK_TOLERANCE", "CANNOT_TELL", "CLEARLY_FASTER", "HOME", "MIN_SAVING", "SLOWER", "PaybackGate",
+    "BACK_TOLERANCE", "CANNOT_TELL", "CLEARLY_FASTER", "HOME", "MIN_SAVING", "SLOWER",
+    "PaybackGate",
 ]  # fmt: skip
 
 KEPT = 16
