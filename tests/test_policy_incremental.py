@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from eplb_graph.control.cost_model import ExpertCostModel, predicted_step_us
+from eplb_graph.control.cost_model import ExpertCostModel, predict_rank_us, predicted_step_us
 from eplb_graph.placement import Placement
-from eplb_graph.policy.incremental import improve_by_moves
+from eplb_graph.policy.incremental import improve_by_moves, reach_by_moves
 from eplb_graph.policy.predicted_time import pack_by_predicted_time
 from eplb_graph.policy.preserve import preserve_slots, relabel_ranks, transfers_needed
 
@@ -127,3 +127,71 @@ def test_bad_input_is_refused_before_any_search(change, message):
     arguments.update(change)
     with pytest.raises(ValueError, match=message):
         improve_by_moves(**arguments)
+
+
+def _hot(*experts: range, num_layers: int = 3) -> torch.Tensor:
+    """Rows per step: 0.5 per expert, 10 more spread over each hot set."""
+    load = torch.full((num_layers, 32), 0.5, dtype=torch.float64)
+    for hot in experts:
+        load[:, list(hot)] += 10.0 / len(experts)
+    return load
+
+
+def _layer_peaks(plan: torch.Tensor, per_step: torch.Tensor, model) -> np.ndarray:
+    return predict_rank_us(plan, per_step, 2, model).max(axis=1)
+
+
+def test_reaching_the_starts_speed_takes_fewer_copies_than_going_back_to_it():
+    """Tuned for one domain's hot experts, then the other's, then both at once (where the
+    start is even): a few moves make every layer as fast as the start's; going back moves every
+    slot the two domains tuned."""
+    start = Placement.default(3, 32, 8, 2).phy2log
+    code, chat, mixed = _hot(range(8, 16)), _hot(range(24, 32)), _hot(range(8, 16), range(24, 32))
+    leftover = improve_by_moves(start, code, 2, 9, ROWS, 100.0, 3000)
+    leftover = improve_by_moves(leftover, chat, 2, 9, ROWS, 100.0, 3000)
+    assert (_layer_peaks(leftover, mixed, ROWS) > 1.05 * _layer_peaks(start, mixed, ROWS)).all()
+    near = reach_by_moves(leftover, mixed, start, 2, 9, ROWS)
+    _check_rules(near, 32, 2, 2)
+    assert (_layer_peaks(near, mixed, ROWS) <= _layer_peaks(start, mixed, ROWS) + 1e-6).all()
+    copies = int(transfers_needed(leftover, near, 2).sum())
+    home = int(transfers_needed(leftover, start, 2).sum())
+    assert 0 < copies <= home / 2
+
+
+@pytest.mark.parametrize("model", [READS, ROWS], ids=["reads", "rows"])
+def test_reaching_a_target_keeps_the_rules_and_each_layer_as_fast_as_the_targets(model):
+    generator = torch.Generator().manual_seed(5)
+    target = Placement.default(3, 32, 8, 2).phy2log
+    for _ in range(12):
+        tuned = torch.rand(3, 32, generator=generator, dtype=torch.float64) ** 3 * 20
+        committed = improve_by_moves(target, tuned, 2, 2, model, 1.0, 10_000)
+        committed[1] = target[1]  # a layer already there is left alone
+        per_step = torch.rand(3, 32, generator=generator, dtype=torch.float64) ** 3 * 20
+        near = reach_by_moves(committed, per_step, target, 2, 2, model)
+        _check_rules(near, 32, 2, 2)
+        assert torch.equal(near[1], target[1])
+        peaks, goal = _layer_peaks(near, per_step, model), _layer_peaks(target, per_step, model)
+        assert (peaks <= goal * (1 + 1e-9)).all()
+        # A layer no slower than the target's already is not touched.
+        already = _layer_peaks(committed, per_step, model) <= goal * (1 + 1e-9)
+        assert torch.equal(near[torch.from_numpy(already)], committed[torch.from_numpy(already)])
+
+
+def test_reaching_a_target_of_another_shape_is_refused():
+    start = Placement.default(3, 32, 8, 2).phy2log
+    with pytest.raises(ValueError, match="committed"):
+        reach_by_moves(start, _hot(range(8, 16)), start[:2], 2, 9, ROWS)
+
+
+def test_a_layer_the_moves_cannot_bring_there_takes_the_targets_row():
+    """Expert 0 carries the layer. The target splits it over both ranks; from a placement
+    holding it once, with one copy per expert allowed to the moves, only swaps are left, and
+    a swap moves the hot expert's rows without splitting them."""
+    committed = torch.tensor([[0, 1, 2, 3, 1, 2]])
+    target = torch.tensor([[0, 1, 2, 3, 0, 2]])
+    per_step = torch.tensor([[10.0, 0.1, 0.1, 0.1]], dtype=torch.float64)
+    assert improve_by_moves(committed, per_step, 2, 1, ROWS, 1.0, 10**6).equal(committed)
+    assert torch.equal(reach_by_moves(committed, per_step, target, 2, 1, ROWS), target)
+    # Allowed a second copy, one move splits it: the rest of the layer stays where it was.
+    near = reach_by_moves(committed, per_step, target, 2, 2, ROWS)
+    assert int(transfers_needed(committed, near, 2).sum()) == 1

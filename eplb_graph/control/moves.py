@@ -76,6 +76,8 @@ class Move:
     """What the model predicted it would save over the same windows (their served loads)."""
     windows: int = 0
     """Windows measured under its plan (each credited ``saved_us``)."""
+    back: bool = False
+    """A step back (``rollback``): the placement it left is not one to return to."""
 
     @property
     def measured_cost_us(self) -> float:
@@ -120,9 +122,11 @@ class MoveLedger:
         plan: torch.Tensor,
         copies: int,
         predicted_saving_us: float,
+        back: bool = False,
     ) -> Move:
         self._count += 1
-        move = Move(self._count, step, candidate, copies, before, plan, predicted_saving_us)
+        move = Move(self._count, step, candidate, copies, before, plan, predicted_saving_us,
+                    back=back)  # fmt: skip
         self.moves.append(move)
         return move
 

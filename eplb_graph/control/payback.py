@@ -18,26 +18,26 @@ is a sum from the window reduction), :meth:`PaybackGate.decide` reads top-down:
    this load, and the price of a copy is learnt from the moves so far
    (:class:`~eplb_graph.control.moves.MoveLedger`).
 3. **never slower than where it came from.** The committed placement is set against the
-   engine's starting placement (what EPLB off serves) and, after a move, the placement before
-   it (where that one was measured under a load like this one). When it is slower than either
-   by more than :data:`BACK_TOLERANCE` under the served load, the gate must go back: to that
-   placement, or to a candidate predicted :data:`CLEARLY_FASTER` than it, even if going back does
-   not repay its copies within one interval. A placement measured slower stays predicted
-   slower while the load is like the one it was measured under; under another load it may be
-   right again. And under a load where no placement could beat the start by :data:`MIN_SAVING`
-   (so no plan would be applied), a placement predicted no faster than the start goes back to
-   it: a placement left over from another load has nothing to gain there.
+   engine's starting placement (what EPLB off serves) and, after a forward move, the placement
+   before it (where that one was measured under a load like this one; a step back is not undone
+   by another). Slower than either by more than :data:`BACK_TOLERANCE` under the served load, the
+   gate goes back: to that placement, or to a candidate predicted :data:`CLEARLY_FASTER`, even if
+   going back does not repay its copies within one interval. A placement measured slower stays
+   so while the load is like the one it was measured under; under another it may be right
+   again. Where no placement could beat the start by :data:`MIN_SAVING`, a placement predicted
+   slower than the start (left over from another load) goes toward it: by the fewest moves that
+   make it predicted as fast (:func:`~eplb_graph.policy.incremental.reach_by_moves`).
 4. **what could be better.** The candidates: the configured policy's plan, the placement
    packed by predicted time (:func:`~eplb_graph.policy.predicted_time.pack_by_predicted_time`),
    the few priced moves from the committed placement that repay the most
    (:func:`~eplb_graph.policy.incremental.improve_by_moves`) and the starting placement. Each
    is predicted under the planned load.
-5. **whether it pays.** A candidate may be applied only if it is predicted to cut the step by
-   at least :data:`MIN_SAVING`, and its predicted saving over the next
-   interval, discounted by the share of their predicted savings that past moves realized
-   (:meth:`~eplb_graph.control.moves.MoveLedger.realized`), exceeds the copies it moves times
-   the price of a copy; of those, the largest net gain wins (the fastest placement is not the
-   best plan when it moves three times the copies for the last few percent).
+5. **whether it pays.** A candidate may be applied only if predicted to cut the step by at
+   least :data:`MIN_SAVING` and its predicted saving over the next interval, discounted by the
+   share of their predicted savings that past moves realized
+   (:meth:`~eplb_graph.control.moves.MoveLedger.realized`), exceeds its copies times the price of
+   a copy; of those, the largest net gain wins (not the fastest: three times the copies for the
+   last few percent does not pay).
 
 Two shortcuts keep a window cheap where nothing can repay a move (planning runs on the cores
 that serve, and holds the interpreter the serving thread needs): before any candidate is built,
@@ -70,21 +70,22 @@ from eplb_graph.control.cost_model import ExpertCostModel, lower_bound_step_us, 
 from eplb_graph.control.evidence import Evidence, check_prediction, read_window
 from eplb_graph.control.moves import MoveLedger
 from eplb_graph.control.refusal import RefusalMemory
-from eplb_graph.control.tolerances import BACK_TOLERANCE, CLEARLY_FASTER, MIN_SAVING
+from eplb_graph.control.tolerances import (
+    BACK_TOLERANCE,
+    CANNOT_TELL,
+    CLEARLY_FASTER,
+    HOME,
+    MIN_SAVING,
+    SLOWER,
+)
 from eplb_graph.control.window import WindowLoad
-from eplb_graph.policy.incremental import improve_by_moves
+from eplb_graph.policy.incremental import improve_by_moves, reach_by_moves
 from eplb_graph.policy.predicted_time import pack_by_predicted_time
 from eplb_graph.policy.preserve import preserve_slots, relabel_ranks, transfers_needed
 
-__all__ = [
-    "BACK_TOLERANCE", "CANNOT_TELL", "CLEARLY_FASTER", "HOME", "MIN_SAVING", "SLOWER",
-    "PaybackGate",
-]  # fmt: skip
+__all__ = ["PaybackGate"]
 
 KEPT = 16
-SLOWER = "slower than before: going back"
-HOME = "nothing beats the starting placement under this load: going back to it"
-CANNOT_TELL = "no placement can save enough to tell from noise"
 PolicyPlan = torch.Tensor | Callable[[], torch.Tensor | None] | None
 """The configured policy's candidate: a plan, a callable making it on demand, or none."""
 
@@ -142,28 +143,22 @@ class PaybackGate:
 
     # -- the decision ----------------------------------------------------------------------------
     def decide(self, load: WindowLoad, policy_plan: PolicyPlan) -> torch.Tensor | None:
-        """The placement to move to, or ``None`` to keep the committed one.
-
-        ``policy_plan``: the configured policy's plan, or a callable that makes it (called only
-        if some placement could repay a move), or ``None``. Never raises: a failure keeps the
-        placement and is recorded (``failed``) with its cause.
-        """
+        """The placement to move to, or ``None`` to keep the committed one. ``policy_plan``: the
+        configured policy's plan, or a callable making it (called only if some placement could
+        repay a move), or ``None``. Never raises: a failure keeps the placement, recorded."""
         try:
             return self._decide(load, policy_plan)
         except Exception as error:
             self.failed(load.step, error)
             return None
         finally:
-            # One immutable document per decision: the metrics writer's thread reads it while
-            # the next window may already be deciding on the worker's.
+            # One immutable document per decision: the metrics writer's thread reads it.
             self.published = self.snapshot()
 
     def failed(self, step: int, error: BaseException) -> None:
         """Record a window whose deciding failed (the placement is kept)."""
         self.counts["failed"] += 1
-        self.decisions.append(
-            {"step": step, "action": "failed", "reason": f"{type(error).__name__}: {error}"}
-        )
+        self._record(step, "failed", f"{type(error).__name__}: {error}")
 
     def _decide(self, load: WindowLoad, policy_plan: PolicyPlan) -> torch.Tensor | None:
         evidence = self._evidence(load)
@@ -261,11 +256,9 @@ class PaybackGate:
     # -- 3. never slower than where it came from ---------------------------------------------
     def _must_go_back(self, evidence: Evidence) -> _Back | None:
         """Where to go back to when the committed placement is slower, under the served load,
-        than the starting one or the one before the last move; ``None`` when it is not.
-
-        At the start there is nothing to go back from: it is what EPLB off serves, and a plan
-        beating it goes forward if it repays (on the drift benchmark the start, measured once 5%
-        slower than the placement it came back from, sent the gate there again: 33 copies)."""
+        than the start or the one before the last forward move; ``None`` when it is not. At the
+        start there is nothing to go back from (on the drift benchmark the start, measured once
+        5% slower than the placement it came back from, sent the gate there again: 33 copies)."""
         committed, served = evidence.committed, evidence.served
         if torch.equal(committed, self._initial):
             return None
@@ -274,11 +267,12 @@ class PaybackGate:
         move = self.ledger.newest()
         if (
             move is not None
+            and not move.back
             and torch.equal(move.plan, committed)
             and self._calibrations.find(move.before, self._shares) is not None
         ):
-            # The last move is judged where the placement before it was measured under a load
-            # like this one; under another load, what it should be is a question of pricing.
+            # Judged where the placement before it was measured under a load like this one
+            # (else pricing decides); a step back is not undone by one (noise: to and fro).
             references["previous"] = move.before
         slower_than = {
             name: reference
@@ -291,20 +285,31 @@ class PaybackGate:
         if not slower_than:
             if not self._nothing_beats_the_start(evidence):
                 return None
-            slower_than = {"initial": self._initial}
-            reason = HOME
+            slower_than, reason = {"initial": self._initial}, HOME
         times = {
             name: self._step_us(reference, evidence.planned) * self._ratio(reference)
             for name, reference in slower_than.items()
         }
         name = min(times, key=lambda n: (times[n], n))
+        if reason == HOME:  # a prediction: a new placement predicted as fast is as good
+            return self._toward_start(evidence, times[name], reason)
         return _Back(name, slower_than[name], times[name], reason)
 
+    def _toward_start(self, evidence: Evidence, start_us: float, reason: str) -> _Back:
+        """The fewest moves that make each layer predicted as fast as the start's
+        (:func:`~eplb_graph.policy.incremental.reach_by_moves`), or the start itself where
+        those, calibrated, are not."""
+        planned, initial = evidence.planned, self._initial
+        near = reach_by_moves(evidence.committed, planned, initial, self.num_ranks,
+                              self.max_replicas, evidence.model)  # fmt: skip
+        near_us = self._step_us(near, planned) * self._ratio(near, evidence.committed)
+        if torch.equal(near, initial) or near_us > start_us * (1 + 1e-9):
+            return _Back("initial", initial, start_us, reason)
+        return _Back("toward_initial", near, start_us, reason)
+
     def _nothing_beats_the_start(self, evidence: Evidence) -> bool:
-        """Whether the committed placement is predicted no faster than the start while none
-        could beat the start by :data:`MIN_SAVING` (no plan would be applied): a leftover there
-        gains nothing and may be slower than the model says (drift benchmark, AVX-512 EPYC: a
-        chat-tuned placement predicted 1% slower under mixed traffic served 3-4% slower)."""
+        """Whether the committed placement is predicted slower than the start while none could
+        beat the start by :data:`MIN_SAVING`: a leftover from another load gains nothing there."""
         committed, planned = evidence.committed, evidence.planned
         start = self._step_us(self._initial, planned) * self._ratio(self._initial)
         now = self._step_us(committed, planned) * self._ratio(committed)
@@ -384,7 +389,7 @@ class PaybackGate:
         self._refusals.last = None
         self.ledger.applied(
             evidence.step, name, committed.clone(), plan.clone(), chosen["copies"],
-            chosen["saving_ms_per_step"] * 1e3,
+            chosen["saving_ms_per_step"] * 1e3, back=back is not None,
         )  # fmt: skip
         if back is not None:
             self.counts["rollbacks"] += 1
@@ -442,13 +447,11 @@ class PaybackGate:
 
     # -- the shortcuts ---------------------------------------------------------------------------
     def _least_saving(self) -> float:
-        """The share of the step a plan must be predicted to save: :data:`MIN_SAVING`, or the
-        configured ``min_gain_percent`` where that is more."""
+        """The share of the step a plan must save: :data:`MIN_SAVING` or ``min_gain_percent``."""
         return max(MIN_SAVING, self.min_gain_percent / 100)
 
     def _floor_us(self, evidence: Evidence) -> float:
-        """The least any placement is predicted to take under the planned load (uncalibrated;
-        computed once per window)."""
+        """The least any placement is predicted to take under the planned load (uncalibrated)."""
         if evidence.floor_us is None:
             evidence.floor_us = lower_bound_step_us(
                 evidence.planned, self.num_ranks, evidence.model, self.num_slots,

@@ -1,5 +1,5 @@
-"""The payback gate's tolerances: how far apart two placements must be predicted before the
-gate acts on the difference.
+"""The payback gate's tolerances (how far apart two placements must be predicted before the
+gate acts on the difference) and the reasons it gives where they decide.
 
 One figure, 5%, for three questions, because they are one question: two measurements of one
 placement on a shared host differ by as much, and so does the cost model between two placements.
@@ -7,7 +7,7 @@ placement on a shared host differ by as much, and so does the cost model between
 
 from __future__ import annotations
 
-__all__ = ["BACK_TOLERANCE", "CLEARLY_FASTER", "MIN_SAVING"]
+__all__ = ["BACK_TOLERANCE", "CANNOT_TELL", "CLEARLY_FASTER", "HOME", "MIN_SAVING", "SLOWER"]
 
 BACK_TOLERANCE = 0.05
 """The committed placement must go back when it is more than 5% slower, under the served load,
@@ -25,3 +25,13 @@ prediction is within the model's error between two placements. On the AMX drift 
 2%, the three moves predicted to save 2.5-5% measured +15, -52 and -205 ms net, while every move
 predicted to save more repaid (the moves of the first windows after a shift are predicted at
 14-20%); each still costs its copies."""
+
+SLOWER = "slower than before: going back"
+"""A step back from a placement slower than where it came from by :data:`BACK_TOLERANCE`."""
+HOME = "nothing beats the starting placement under this load: going back to it"
+"""A step toward the start from a placement predicted slower than it, where no plan could beat
+the start by :data:`MIN_SAVING` (a drift benchmark's chat-tuned placement under mixed traffic:
+predicted 1% slower, it served 3-4% slower in one run)."""
+CANNOT_TELL = "no placement can save enough to tell from noise"
+"""A window kept without pricing: the floor under every placement is within :data:`MIN_SAVING`
+of the committed one."""

@@ -39,7 +39,7 @@ import torch
 
 from eplb_graph.control.cost_model import ExpertCostModel, layer_floors_us
 
-__all__ = ["improve_by_moves"]
+__all__ = ["improve_by_moves", "reach_by_moves"]
 
 PATIENCE = 8
 """Moves in a row without a better net gain before the search of a layer stops: a tie of up to
@@ -78,6 +78,40 @@ def improve_by_moves(
     for layer in range(table.shape[0]):
         search = _LayerSearch(table[layer], load[layer], num_ranks, cap, model)
         table[layer] = search.best_prefix(copy_us, horizon_steps)
+    return torch.from_numpy(table)
+
+
+def reach_by_moves(
+    committed: torch.Tensor,
+    per_step: torch.Tensor,
+    target: torch.Tensor,
+    num_ranks: int,
+    max_replicas: int,
+    model: ExpertCostModel,
+) -> torch.Tensor:
+    """``phy2log [L, P]``: ``committed`` changed by the same moves as :func:`improve_by_moves`,
+    layer by layer, until each layer is predicted no slower than ``target``'s under
+    ``per_step``; a layer the moves do not bring there takes ``target``'s row.
+
+    Why: going back to the starting placement where nothing beats it (the payback gate's
+    ``HOME``) undoes every slot an earlier load tuned, while a few moves against the new load's
+    busiest rank make a placement as fast (on the gate's two-domain tests, after code then chat
+    traffic: 9 copies instead of the start's 45). What is left over costs nothing to keep.
+    """
+    table = torch.as_tensor(committed).to(torch.int64).numpy().copy()
+    goal = torch.as_tensor(target).to(torch.int64).numpy()
+    load = torch.as_tensor(per_step).to(torch.float64).numpy()
+    if table.shape != goal.shape or table.ndim != 2 or load.shape[0] != table.shape[0]:
+        raise ValueError(f"committed {table.shape}, target {goal.shape}, per_step {load.shape}")
+    cap = max(1, min(max_replicas, num_ranks))
+    for layer in range(table.shape[0]):
+        bound = float(_LayerSearch(goal[layer], load[layer], num_ranks, cap, model).times.max())
+        search = _LayerSearch(table[layer], load[layer], num_ranks, cap, model)
+        for _ in range(table.shape[1]):
+            if float(search.times.max()) <= bound * (1 + 1e-9) or not search._apply_best_move():
+                break
+        reached = float(search.times.max()) <= bound * (1 + 1e-9)
+        table[layer] = search.row if reached else goal[layer]
     return torch.from_numpy(table)
 
 
