@@ -393,6 +393,16 @@ def test_toward_the_start_by_the_fewest_moves_that_make_it_as_fast_and_it_stays(
     for slower in (1.25, 1.0):
         _, after = _serve(gate, serving, committed, MIXED, slower=slower)
         assert after["action"] == "kept"
+    # Nor does a load a few rows off put it a little slower than the start and send it on: under
+    # a load like the one the step reached it under, what differs is the load's noise.
+    nudged = MIXED.clone()
+    nudged[:, [8, 20]] += 0.5  # rank 0's hot expert, and a cold one the swaps put on rank 0
+    fitted = serving.fitted
+    assert predicted_step_us(committed, nudged, RANKS, fitted) > predicted_step_us(
+        DEFAULT, nudged, RANKS, fitted
+    )
+    _, after = _serve(gate, serving, committed, nudged)
+    assert after["action"] == "kept"
 
 
 def test_a_placement_predicted_as_fast_as_the_start_stays_under_an_even_load():

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from eplb_graph.control.calibration import SIMILAR_LOAD, load_distance
+
 __all__ = ["FLOOR_BYTES_PER_US", "PRIOR_BYTES_PER_US", "Move", "MoveLedger"]
 
 PRIOR_BYTES_PER_US = 1000.0
@@ -76,8 +78,11 @@ class Move:
     """What the model predicted it would save over the same windows (their served loads)."""
     windows: int = 0
     """Windows measured under its plan (each credited ``saved_us``)."""
-    back: bool = False
-    """A step back (``rollback``): the placement it left is not one to return to."""
+    back: str | None = None
+    """A step back's reason (``rollback``; ``None`` for a step forward): the placement it left is
+    not one to return to."""
+    shares: torch.Tensor | None = None
+    """The expert shares of the load it was chosen under."""
 
     @property
     def measured_cost_us(self) -> float:
@@ -122,11 +127,12 @@ class MoveLedger:
         plan: torch.Tensor,
         copies: int,
         predicted_saving_us: float,
-        back: bool = False,
+        back: str | None = None,
+        shares: torch.Tensor | None = None,
     ) -> Move:
         self._count += 1
         move = Move(self._count, step, candidate, copies, before, plan, predicted_saving_us,
-                    back=back)  # fmt: skip
+                    back=back, shares=shares)  # fmt: skip
         self.moves.append(move)
         return move
 
@@ -166,6 +172,21 @@ class MoveLedger:
 
     def newest(self) -> Move | None:
         return self.moves[-1] if self.moves else None
+
+    def stepped_back_to(
+        self, committed: torch.Tensor, shares: torch.Tensor | None, reason: str
+    ) -> bool:
+        """Whether the newest move stepped back, for ``reason``, to ``committed`` under a load
+        like ``shares`` (:data:`~eplb_graph.control.calibration.SIMILAR_LOAD`)."""
+        move = self.newest()
+        return (
+            move is not None
+            and move.back == reason
+            and torch.equal(move.plan, committed)
+            and shares is not None
+            and move.shares is not None
+            and load_distance(move.shares, shares) <= SIMILAR_LOAD
+        )
 
     def copy_us(self, read_us: float) -> tuple[float, str]:
         """``(µs, source)``: the price of one copy for the next plan (see the module docstring);
