@@ -26,7 +26,8 @@ is a sum from the window reduction), :meth:`PaybackGate.decide` reads top-down:
    so while the load is like the one it was measured under; under another it may be right
    again. Where no placement could beat the start by :data:`MIN_SAVING`, a placement predicted
    slower than the start (left over from another load) goes toward it: by the fewest moves that
-   make it predicted as fast (:func:`~eplb_graph.policy.incremental.reach_by_moves`).
+   make it predicted as fast (:func:`~eplb_graph.policy.incremental.reach_by_moves`), where
+   they repay their copies within the interval as any move must (a prediction sends them).
 4. **what could be better.** The candidates: the configured policy's plan, the placement
    packed by predicted time (:func:`~eplb_graph.policy.predicted_time.pack_by_predicted_time`),
    the few priced moves from the committed placement that repay the most
@@ -68,6 +69,7 @@ import torch
 from eplb_graph.control.calibration import Calibrations, load_shares
 from eplb_graph.control.cost_model import ExpertCostModel, lower_bound_step_us, predict_rank_us
 from eplb_graph.control.evidence import Evidence, check_prediction, read_window
+from eplb_graph.control.gate_snapshot import gate_snapshot
 from eplb_graph.control.moves import MoveLedger
 from eplb_graph.control.refusal import RefusalMemory
 from eplb_graph.control.tolerances import (
@@ -133,7 +135,8 @@ class PaybackGate:
     _calibrations: Calibrations = field(init=False)
     _shares: torch.Tensor | None = None
     _refusals: RefusalMemory = field(default_factory=RefusalMemory)
-    _copy_us: float = 0.0
+    copy_us: float = field(default=0.0, init=False)
+    """The price of one copy the last window set (µs)."""
 
     def __post_init__(self) -> None:
         self.ledger = MoveLedger(self.copy_bytes)
@@ -166,8 +169,8 @@ class PaybackGate:
         committed = evidence.committed
         self._learn(evidence)
         model = evidence.model
-        self._copy_us, self.copy_source = self.ledger.copy_us(max(model.read_us, model.row_us))
-        evidence.copy_us = self._copy_us
+        self.copy_us, self.copy_source = self.ledger.copy_us(max(model.read_us, model.row_us))
+        evidence.copy_us = self.copy_us
         back = self._must_go_back(evidence)
         bound = None if back is None else back.bound_us
         ratio = self._ratio(committed)
@@ -322,6 +325,9 @@ class PaybackGate:
     ) -> dict[str, torch.Tensor]:
         """The policy's plan, the packing by predicted time, the priced moves and the starting
         placement; going back, also the placement it goes back to."""
+        if back is not None and back.reason == HOME:
+            # Nothing beats the start by MIN_SAVING (the floor says so): no other could be taken.
+            return {back.name: back.placement}
         committed, planned, model = evidence.committed, evidence.planned, evidence.model
         packed = pack_by_predicted_time(
             planned, self.num_slots, self.num_ranks, self.max_replicas, model
@@ -364,6 +370,9 @@ class PaybackGate:
         }
         eligible = [name for name in candidates if reasons[name] is None]
         if not eligible:
+            if back is not None and back.reason == HOME:
+                return self._keep(evidence.step, reasons[back.name], candidate=back.name,
+                                  **figures[back.name])  # fmt: skip
             if back is not None:
                 return self._keep(
                     evidence.step, "slower than before, and no candidate is faster",
@@ -436,9 +445,12 @@ class PaybackGate:
         if back is not None:
             # Going back: to the placement it goes back to, or one predicted clearly faster.
             predicted = figures["predicted_step_ms_plan"] * 1e3
-            if name == back.name or predicted <= back.bound_us * (1 - CLEARLY_FASTER):
-                return None
-            return "not clearly faster than where it came from"
+            if name != back.name and predicted > back.bound_us * (1 - CLEARLY_FASTER):
+                return "not clearly faster than where it came from"
+            if back.reason == HOME and figures["net_ms"] <= 0:
+                # A prediction sends it (within the model's error): it must repay like any move.
+                return "the saving does not repay the move"
+            return None
         if saving < now * self._least_saving():
             return "predicted saving too small to tell from noise"
         if figures["net_ms"] <= 0:
@@ -479,22 +491,5 @@ class PaybackGate:
         return self.decisions[-1] if self.decisions else None
 
     def snapshot(self) -> dict[str, Any]:
-        """Plain values for the metrics files (the model, the counts, recent decisions, moves)."""
-        repaid, measured = self.ledger.repaid()
-        last = self.last_decision
-        return {
-            "model": self.model.as_dict() if self.model is not None else None,
-            "predicted_rank_ms": self.predicted_rank_ms,
-            "measured_rank_ms": self.measured_rank_ms,
-            "accuracy": list(self.accuracy),
-            "copy_ms": self._copy_us / 1e3 if self.model is not None else None,
-            "copy_ms_source": self.copy_source,
-            **self.counts,
-            "last_decision": None if last is None else {
-                k: last[k] for k in ("step", "action", "reason", "candidate") if k in last
-            },
-            "decisions": list(self.decisions),
-            "moves": self.ledger.figures(),
-            "moves_repaid": repaid,
-            "moves_measured": measured,
-        }  # fmt: skip
+        """Plain values for the metrics files (:mod:`eplb_graph.control.gate_snapshot`)."""
+        return gate_snapshot(self)
