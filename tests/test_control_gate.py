@@ -17,7 +17,15 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from eplb_graph.control.calibration import MAX_AGE, SIMILAR_LOAD, load_distance, load_shares
+from eplb_graph.control.calibration import (
+    DISTURBED,
+    MAX_AGE,
+    SIMILAR_LOAD,
+    Calibrations,
+    Measurement,
+    load_distance,
+    load_shares,
+)
 from eplb_graph.control.cost_model import predicted_step_us
 from eplb_graph.control.decision_log import QUIET_S, DecisionLog
 from eplb_graph.control.feedback import WindowFeedback, feedback_size
@@ -140,7 +148,7 @@ def test_a_move_measured_slower_than_the_placement_before_it_is_undone_for_that_
     assert applied["action"] == "applied"
     # Under the plan, the ranks measure twice what the model predicted for it: slower than the
     # default layout under this same load.
-    committed, back = _serve(gate, serving, plan, CODE, slower=2.0)
+    committed, back = _serve(gate, serving, plan, CODE, slower=3.0)
     assert back["action"] == "rollback" and torch.equal(committed, DEFAULT)
     assert back["reason"] == "slower than before: going back"
     # The plan is not applied again while the load is like this one (the policy offers it).
@@ -180,6 +188,50 @@ def test_a_traffic_change_is_not_read_as_a_bad_move():
     move = gate.snapshot()["moves"][0]
     assert move["net_ms"] > 0
     assert move["saved_ms"] == pytest.approx(move["predicted_saved_ms"], rel=1e-3)
+
+
+def test_a_window_far_from_its_placements_calibration_neither_judges_nor_credits_it_once():
+    """A host stall: one window of the placement a move reached measures 3x what it measured
+    before under the same load. Taken as the placement's speed it sent the gate back and charged
+    the move for it; a second window as far off is the new normal, and does both."""
+    gate, serving = _gate(), Serving(ROWS)
+    plan, _ = _serve(gate, serving, DEFAULT, CODE)
+    for _ in range(2):
+        _, steady = _serve(gate, serving, plan, CODE)
+        assert steady["action"] == "kept" and steady["disturbed"] is False
+    assert steady["measured_vs_calibrated"] == pytest.approx(1.0, rel=1e-3)
+    calibration = gate._calibrations.find(plan, load_shares(CODE))
+    measured_us, credited = calibration.measured_us, gate.snapshot()["moves"][0]
+    committed, stalled = _serve(gate, serving, plan, CODE, slower=3.0)
+    assert stalled["disturbed"] is True and stalled["action"] == "kept"
+    assert stalled["measured_vs_calibrated"] == pytest.approx(3.0, rel=1e-3)
+    assert torch.equal(committed, plan) and calibration.measured_us == measured_us
+    assert gate.snapshot()["moves"][0] == credited
+    committed, back = _serve(gate, serving, plan, CODE, slower=3.0)
+    assert back["disturbed"] is False and back["action"] == "rollback"
+    assert torch.equal(committed, DEFAULT)
+    assert gate.snapshot()["moves"][0]["windows_measured"] == credited["windows_measured"] + 1
+
+
+def test_a_calibration_rejects_one_window_far_above_or_below_it_and_none_without_one():
+    calibrations = Calibrations(lambda placement, load: float(load.sum()))
+    shares = load_shares(CODE)
+    first = calibrations.measure(DEFAULT, CODE, shares, 100.0)  # nothing to hold it against
+    assert first == Measurement(None, False)
+    assert calibrations.measure(DEFAULT, CODE, shares, 126.0) == Measurement(1.26, False)
+    entry = calibrations.find(DEFAULT, shares)
+    assert entry.measured_us == 113.0
+    # The model carries the calibration to a batch twice as large: 226 is as expected there.
+    assert calibrations.measure(DEFAULT, CODE * 2, shares, 226.0).disturbed is False
+    assert entry.measured_us == pytest.approx(226.0)
+    for measured in (226.0 * (1 + DISTURBED) * 1.01, 226.0 / (1 + DISTURBED) / 1.01):
+        rejected = calibrations.measure(DEFAULT, CODE * 2, shares, measured)
+        assert rejected.disturbed is True and entry.measured_us == pytest.approx(226.0)
+        again = calibrations.measure(DEFAULT, CODE * 2, shares, measured)  # the new normal
+        assert again.disturbed is False and entry.measured_us == pytest.approx(
+            (226.0 + measured) / 2
+        )
+        entry.measured_us = 226.0
 
 
 # -- it follows the load, and never stays slower than EPLB off ----------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -48,6 +49,20 @@ class Evidence:
     """The price of one copy, learnt from the moves measured so far (set by the gate)."""
     floor_us: float | None = None
     """The least any placement is predicted to take under ``planned`` (the gate's, once)."""
+    against_calibration: float | None = None
+    """What the ranks measured over what the committed placement's calibration under a load
+    like this one expected (set by the gate; ``None`` where it had none)."""
+    disturbed: bool = False
+    """Too far from it: the window calibrated nothing and credited no move (set by the gate)."""
+
+    def figures(self) -> dict[str, Any]:
+        """What every decision on this window records of it."""
+        return {
+            "shifted": self.shifted,
+            "signal_share": self.signal_share,
+            "measured_vs_calibrated": self.against_calibration,
+            "disturbed": self.disturbed,
+        }
 
 
 def read_window(

@@ -177,8 +177,7 @@ class PaybackGate:
         now = self._step_us(committed, evidence.planned) * ratio
         realized = self.ledger.realized()
         figures = {
-            "shifted": evidence.shifted,
-            "signal_share": evidence.signal_share,
+            **evidence.figures(),
             "predicted_step_ms_now": now / 1e3,
             "horizon_steps": self.step_interval,
             "copy_ms": evidence.copy_us / 1e3,
@@ -223,7 +222,8 @@ class PaybackGate:
     # -- 2. what ran -----------------------------------------------------------------------------
     def _learn(self, evidence: Evidence) -> None:
         """Calibrate the committed placement on what it measured, and credit the newest move
-        with its saving against the placement before it, both under this window's load."""
+        with its saving against the placement before it, both under this window's load; neither
+        where the window was disturbed (:data:`~eplb_graph.control.calibration.DISTURBED`)."""
         measured = evidence.measured_step_us
         if measured is None:
             return
@@ -231,7 +231,11 @@ class PaybackGate:
         predicted = self._step_us(committed, served)
         if predicted <= 0:
             return
-        self._calibrations.update(committed, served, self._shares, measured)
+        measurement = self._calibrations.measure(committed, served, self._shares, measured)
+        evidence.against_calibration = measurement.against_calibration
+        evidence.disturbed = measurement.disturbed
+        if measurement.disturbed:
+            return  # it says what the host did, not what the placement takes or the move saved
         move = self.ledger.newest()
         if move is not None and torch.equal(move.plan, committed):
             # The placement before the move, under this load: measured, if it served a load
@@ -359,8 +363,7 @@ class PaybackGate:
         committed = evidence.committed
         start = self._step_us(self._initial, evidence.planned) * self._ratio(self._initial)
         figures = {
-            name: {"shifted": evidence.shifted, "signal_share": evidence.signal_share,
-                   "predicted_step_ms_initial": start / 1e3,
+            name: {**evidence.figures(), "predicted_step_ms_initial": start / 1e3,
                    **self._figures(evidence, plan, now)}
             for name, plan in candidates.items()
         }  # fmt: skip
