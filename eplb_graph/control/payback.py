@@ -16,7 +16,8 @@ is a sum from the window reduction), :meth:`PaybackGate.decide` reads top-down:
    are compared on the same load, and a change of traffic is never read as a good or a bad
    plan. The newest move is credited with what it saved against the placement before it under
    this load, and the price of a copy is learnt from the moves so far
-   (:class:`~eplb_graph.control.moves.MoveLedger`).
+   (:class:`~eplb_graph.control.moves.MoveLedger`); a window far off the committed placement's
+   own calibration (a host stall: :data:`~eplb_graph.control.calibration.DISTURBED`) does neither.
 3. **never slower than where it came from.** The committed placement is set against the
    engine's starting placement (what EPLB off serves) and, after a forward move, the placement
    before it (where that one was measured under a load like this one; a step back is not undone
