@@ -12,9 +12,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "bench"))
 
-from vllm_drift import verdict, within_aa
+from vllm_drift import summarize, verdict, within_aa
 
 
 def _segment(on: float, control_low: float | None = 0.8) -> dict:
@@ -75,3 +77,18 @@ def test_the_worst_run_decides_and_the_first_rounds_have_no_noise_allowance():
     assert result["first_rounds_worst"] == 0.9
     assert result["met"]["first_rounds"] is False
     assert result["first_rounds_within_aa"] == [True] * 6
+
+
+def test_the_whole_run_weighs_each_phase_median_by_its_rounds():
+    """Without EPLB a skewed phase's calls take 2.0 s and an even one's 1.3 s; with it, 1.3 s
+    everywhere. One median over the whole run falls on the skewed side (6 of 11 rounds) and
+    read 1.54x; each phase's median weighted by its rounds gives the run's throughput."""
+    rounds = [
+        {"phase": phase, "round": i, "seconds": {"off": off, "on": 1.3 + 0.01 * (i % 2)}}
+        for phase, count, off in (("code", 6, 2.0), ("uniform", 5, 1.3))
+        for i in range(count)
+    ]
+    whole = summarize({"rounds": [dict(r, on={}) for r in rounds]}, batch=8, tokens=4)["whole"]
+    on = (6 * 1.305 + 5 * 1.3) / 11  # each phase's median on call, weighted
+    assert whole["on"]["speedup"] == pytest.approx((6 * 2.0 + 5 * 1.3) / 11 / on)
+    assert whole["on"]["decode_tokens_per_s"] == pytest.approx(8 * 4 / on)
