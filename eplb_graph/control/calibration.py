@@ -125,19 +125,24 @@ class Calibrations:
         )
         self._disturbed_last = disturbed
         if not disturbed:
-            self.update(placement, load, shares, measured)
+            self._record(entry, expected, placement, load, shares, measured)
         return Measurement(against, disturbed)
 
-    def update(
-        self, placement: torch.Tensor, load: torch.Tensor, shares: torch.Tensor, measured: float
+    def _record(
+        self,
+        entry: _Calibration | None,
+        carried: float | None,
+        placement: torch.Tensor,
+        load: torch.Tensor,
+        shares: torch.Tensor,
+        measured: float,
     ) -> None:
-        entry = self.find(placement, shares)
-        if entry is None:
+        """A new calibration, or ``entry``'s measurement (``carried`` to this load by the model)
+        moved toward the new one."""
+        if entry is None or carried is None:
             entry = _Calibration(placement.clone(), load, shares, measured, updated=self.window)
             self.entries.append(entry)
             return
-        # The old measurement carried to this load by the model, then moved toward the new one.
-        carried = self._carried(entry, load)
         entry.measured_us = carried + CALIBRATION_WEIGHT * (measured - carried)
         entry.load, entry.shares = load, shares  # it follows a load that drifts slowly
         entry.windows += 1
